@@ -1,0 +1,45 @@
+# The two commands a fresh clone needs: `make run` and `make test`. Both set up `.venv` first.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Stamp file: set-up is redone only when a requirements file changes.
+STAMP := $(VENV)/.installed
+SAMPLE := data/sample/train.tsv
+
+.PHONY: setup run test sample lint clean help
+
+help:
+	@echo "make run    - set up .venv and train the demo (2 CPU processes, sharded embeddings)"
+	@echo "make test   - set up .venv and run the whole test suite"
+	@echo "make setup  - only create .venv and install the pinned stack"
+	@echo "make sample - only generate the bundled Criteo-format sample in data/sample/"
+	@echo "make lint   - lint the Dockerfile with hadolint"
+
+setup: $(STAMP)
+
+$(STAMP): requirements.txt requirements-torchrec.txt requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip==25.3
+	# torch first and alone, so nothing can resolve it to another build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-torchrec.txt
+	$(PY) -c "import torch, fbgemm_gpu, torchrec, lightning, torchmetrics; print('stack ok: torch', torch.__version__)"
+	touch $(STAMP)
+
+sample: $(SAMPLE)
+
+$(SAMPLE): $(STAMP) data/make_sample.py app/data/synthetic.py
+	$(PY) data/make_sample.py --output data/sample
+
+run: setup sample
+	$(PY) -m app fit --config configs/demo.yaml
+
+test: setup lint
+	$(PY) -m pytest
+
+lint: setup
+	$(VENV)/bin/hadolint Dockerfile
+
+clean:
+	rm -rf $(VENV) data/sample runs .pytest_cache
