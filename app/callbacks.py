@@ -1,0 +1,78 @@
+"""Callbacks the CLI always installs: training throughput, and a predictions file."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import BasePredictionWriter
+
+
+class SamplesPerSecond(Callback):
+    """Logs ``train/samples_per_sec`` (all ranks together) to the loggers and the progress bar.
+
+    Lightning's ThroughputMonitor writes to the loggers only, not to the progress bar, hence this.
+
+    Args:
+        window_batches: number of recent batches the rate is averaged over.
+    """
+
+    def __init__(self, window_batches: int = 20) -> None:
+        self.window_batches = window_batches
+        self._start_time_s = 0.0
+        self._samples = 0
+        self._batches = 0
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._restart()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._samples += batch.labels.numel() * trainer.world_size
+        self._batches += 1
+        elapsed_s = time.perf_counter() - self._start_time_s
+        if elapsed_s > 0:
+            pl_module.log("train/samples_per_sec", self._samples / elapsed_s, prog_bar=True, on_step=True)
+        if self._batches >= self.window_batches:
+            self._restart()
+
+    def _restart(self) -> None:
+        self._start_time_s = time.perf_counter()
+        self._samples = 0
+        self._batches = 0
+
+
+class PredictionWriter(BasePredictionWriter):
+    """Writes ``predictions.tsv`` (row id, click probability), rows in input order, from all ranks.
+
+    Args:
+        output_dir: folder of the predictions file (default: the trainer's log directory).
+    """
+
+    def __init__(self, output_dir: str | None = None) -> None:
+        super().__init__(write_interval="epoch")
+        self.output_dir = output_dir
+
+    def write_on_epoch_end(
+        self, trainer: Trainer, pl_module: LightningModule, predictions: Any, batch_indices: Any
+    ) -> None:
+        row_ids = torch.cat([p["row_ids"] for p in predictions]).cpu()
+        probabilities = torch.cat([p["probabilities"] for p in predictions]).cpu()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (row_ids, probabilities))
+            row_ids = torch.cat([g[0] for g in gathered])
+            probabilities = torch.cat([g[1] for g in gathered])
+        if trainer.is_global_zero:
+            order = torch.argsort(row_ids)
+            path = Path(self.output_dir or trainer.log_dir or ".") / "predictions.tsv"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("w") as out:
+                out.write("row_id\tprobability\n")
+                out.writelines(f"{r}\t{p:.6f}\n" for r, p in zip(row_ids[order].tolist(), probabilities[order].tolist()))
+            print(f"wrote {len(order)} predictions to {path}")

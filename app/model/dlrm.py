@@ -1,0 +1,178 @@
+"""DLRM variants (arXiv 1906.00091) assembled from TorchRec's model parts.
+
+Notation used in shapes:
+    B: batch size per rank, F: number of sparse features (26 for Criteo),
+    D: embedding dimension, I: number of dense features (13 for Criteo).
+
+TorchRec's ``DLRM`` (dot), ``DLRM_DCN`` (DCNv2) and ``DLRM_Projection`` are used as they are. TorchRec
+has no concatenation interaction, the original paper's alternative to the dot product (and the one
+Intel Gaudi's reference configuration trains), so ``DLRMConcat`` adds it on top of ``DLRM``.
+
+Example::
+
+    model = build_dlrm(interaction="dot", embedding_dim=16, num_embeddings_per_feature=[1000] * 26,
+                       dense_arch_layer_sizes=[64, 16], over_arch_layer_sizes=[64, 1])
+    logits = model(dense_features, sparse_features)  # (B, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, DEFAULT_INT_NAMES
+from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, OverArch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+Interaction = Literal["dot", "cat", "dcn", "projection"]
+INTERACTIONS: tuple[str, ...] = get_args(Interaction)
+
+NUM_DENSE_FEATURES = len(DEFAULT_INT_NAMES)
+
+
+def table_name(feature_name: str) -> str:
+    """The embedding table that serves ``feature_name`` (one table per feature, TorchRec's naming)."""
+    return f"t_{feature_name}"
+
+
+class ConcatInteractionArch(nn.Module):
+    """Concatenates the dense embedding and the F pooled sparse embeddings: (B, D), (B, F, D) -> (B, (F + 1) * D)."""
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        if dense_features.dim() != 2 or sparse_features.dim() != 3:
+            raise ValueError(
+                f"expected dense (B, D) and sparse (B, F, D), got {tuple(dense_features.shape)} "
+                f"and {tuple(sparse_features.shape)}"
+            )
+        return torch.cat([dense_features, sparse_features.flatten(1)], dim=1)
+
+
+class DLRMConcat(DLRM):
+    """DLRM whose interaction concatenates the embeddings instead of taking their dot products.
+
+    Args:
+        embedding_bag_collection: the sparse tables (all of the same dimension D).
+        dense_in_features: I, the number of dense features.
+        dense_arch_layer_sizes: bottom MLP sizes; the last must equal D.
+        over_arch_layer_sizes: top MLP sizes; the last is 1 (the click logit).
+        dense_device: device of the dense layers.
+    """
+
+    def __init__(
+        self,
+        embedding_bag_collection: EmbeddingBagCollection,
+        dense_in_features: int,
+        dense_arch_layer_sizes: list[int],
+        over_arch_layer_sizes: list[int],
+        dense_device: torch.device | None = None,
+    ) -> None:
+        super().__init__(
+            embedding_bag_collection, dense_in_features, dense_arch_layer_sizes, over_arch_layer_sizes, dense_device
+        )
+        embedding_dim = embedding_bag_collection.embedding_bag_configs()[0].embedding_dim
+        num_sparse_features = len(self.sparse_arch.sparse_feature_names)
+        self.inter_arch = ConcatInteractionArch()
+        self.over_arch = OverArch(
+            in_features=(num_sparse_features + 1) * embedding_dim,
+            layer_sizes=over_arch_layer_sizes,
+            device=dense_device,
+        )
+
+
+def build_embedding_bag_collection(
+    embedding_dim: int,
+    num_embeddings_per_feature: Sequence[int],
+    device: torch.device | str = "meta",
+) -> EmbeddingBagCollection:
+    """One sum-pooled table per Criteo categorical feature, created on ``device``.
+
+    The default "meta" allocates nothing: the strategy's DistributedModelParallel materialises each
+    table only on the rank(s) that own its shards.
+    """
+    if len(num_embeddings_per_feature) != len(DEFAULT_CAT_NAMES):
+        raise ValueError(
+            f"num_embeddings_per_feature has {len(num_embeddings_per_feature)} sizes; "
+            f"Criteo has {len(DEFAULT_CAT_NAMES)} categorical features"
+        )
+    tables = [
+        EmbeddingBagConfig(
+            name=table_name(feature),
+            embedding_dim=embedding_dim,
+            num_embeddings=num_embeddings,
+            feature_names=[feature],
+        )
+        for feature, num_embeddings in zip(DEFAULT_CAT_NAMES, num_embeddings_per_feature)
+    ]
+    return EmbeddingBagCollection(tables=tables, device=torch.device(device))
+
+
+def build_dlrm(
+    *,
+    interaction: Interaction,
+    embedding_dim: int,
+    num_embeddings_per_feature: Sequence[int],
+    dense_arch_layer_sizes: Sequence[int],
+    over_arch_layer_sizes: Sequence[int],
+    dcn_num_layers: int = 3,
+    dcn_low_rank_dim: int = 512,
+    interaction_branch1_layer_sizes: Sequence[int] = (2048, 2048),
+    interaction_branch2_layer_sizes: Sequence[int] = (2048, 2048),
+    embedding_device: torch.device | str = "meta",
+) -> DLRM:
+    """Builds a DLRM with the chosen interaction; the embedding tables are left on ``embedding_device``.
+
+    Raises:
+        ValueError: naming the setting, for an unknown interaction or inconsistent layer sizes.
+    """
+    validate_dlrm_sizes(interaction, embedding_dim, dense_arch_layer_sizes, over_arch_layer_sizes)
+    common = dict(
+        embedding_bag_collection=build_embedding_bag_collection(
+            embedding_dim, num_embeddings_per_feature, embedding_device
+        ),
+        dense_in_features=NUM_DENSE_FEATURES,
+        dense_arch_layer_sizes=list(dense_arch_layer_sizes),
+        over_arch_layer_sizes=list(over_arch_layer_sizes),
+    )
+    if interaction == "dot":
+        return DLRM(**common)
+    if interaction == "cat":
+        return DLRMConcat(**common)
+    if interaction == "dcn":
+        return DLRM_DCN(**common, dcn_num_layers=dcn_num_layers, dcn_low_rank_dim=dcn_low_rank_dim)
+    for name, sizes in (
+        ("interaction_branch1_layer_sizes", interaction_branch1_layer_sizes),
+        ("interaction_branch2_layer_sizes", interaction_branch2_layer_sizes),
+    ):
+        if sizes[-1] % embedding_dim:
+            raise ValueError(f"{name}[-1] = {sizes[-1]} must be a multiple of embedding_dim = {embedding_dim}")
+    return DLRM_Projection(
+        **common,
+        interaction_branch1_layer_sizes=list(interaction_branch1_layer_sizes),
+        interaction_branch2_layer_sizes=list(interaction_branch2_layer_sizes),
+    )
+
+
+def validate_dlrm_sizes(
+    interaction: str,
+    embedding_dim: int,
+    dense_arch_layer_sizes: Sequence[int],
+    over_arch_layer_sizes: Sequence[int],
+) -> None:
+    """Checks the settings TorchRec would otherwise reject with a bare assertion deep in construction."""
+    if interaction not in INTERACTIONS:
+        raise ValueError(f"interaction = {interaction!r} is not one of {', '.join(INTERACTIONS)}")
+    if embedding_dim < 1:
+        raise ValueError(f"embedding_dim = {embedding_dim} must be positive")
+    if not dense_arch_layer_sizes or dense_arch_layer_sizes[-1] != embedding_dim:
+        raise ValueError(
+            f"dense_arch_layer_sizes = {list(dense_arch_layer_sizes)} must end with embedding_dim = {embedding_dim}: "
+            "the bottom MLP's output meets the embeddings in the interaction"
+        )
+    if len(over_arch_layer_sizes) < 2 or over_arch_layer_sizes[-1] != 1:
+        raise ValueError(
+            f"over_arch_layer_sizes = {list(over_arch_layer_sizes)} needs at least two layers and must end with 1 "
+            "(the click logit)"
+        )

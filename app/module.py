@@ -1,0 +1,125 @@
+"""The LightningModule: a DLRM, its click loss, its optimizers and its metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torchmetrics import MetricCollection
+from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
+
+from app.data.batches import CriteoBatch
+from app.metrics import LogLoss, NormalizedEntropy
+from app.model.dlrm import Interaction, build_dlrm
+from app.model.tables import expand_table_sizes
+from app.optimizers import DenseOptimizer, SparseOptimizer, build_optimizer, check_optimizer_names, fuse_sparse_optimizer
+
+
+def _eval_metrics(prefix: str) -> MetricCollection:
+    # BinaryAUROC without thresholds keeps every prediction and gathers them across ranks: exact AUC,
+    # sized for eval sets that fit in memory.
+    return MetricCollection(
+        {"auc": BinaryAUROC(), "logloss": LogLoss(), "ne": NormalizedEntropy(), "accuracy": BinaryAccuracy()},
+        prefix=prefix,
+    )
+
+
+class DLRMModule(LightningModule):
+    """Trains a DLRM click-through-rate model with binary cross-entropy on the click logit.
+
+    The embedding tables are created on the meta device and only materialised, shard by shard, when
+    the strategy wraps the module in TorchRec's DistributedModelParallel.
+
+    Args:
+        interaction: how embeddings meet: ``dot`` (DLRM), ``cat`` (concatenation, as in the original
+            paper's alternative), ``dcn`` (DCNv2 low-rank cross layers) or ``projection``.
+        embedding_dim: D, the width of every embedding table and of the bottom MLP's output.
+        num_embeddings_per_feature: rows of each of the 26 tables (one int for all, or 26 ints).
+            Normally linked from ``data.num_embeddings_per_feature``.
+        dense_arch_layer_sizes: bottom MLP layer sizes over the 13 dense features; must end with D.
+        over_arch_layer_sizes: top MLP layer sizes; must end with 1.
+        dcn_num_layers: cross layers of the ``dcn`` interaction.
+        dcn_low_rank_dim: rank of each cross layer's weight in the ``dcn`` interaction.
+        interaction_branch1_layer_sizes: first projection MLP of the ``projection`` interaction.
+        interaction_branch2_layer_sizes: second projection MLP of the ``projection`` interaction.
+        sparse_optimizer: optimizer fused into the embedding backward: row_wise_adagrad, adagrad, sgd or adam.
+        sparse_learning_rate: learning rate of the embedding tables.
+        dense_optimizer: optimizer of the MLPs and interaction layers: adagrad, adam or sgd.
+        dense_learning_rate: learning rate of the dense parameters.
+    """
+
+    def __init__(
+        self,
+        interaction: Interaction = "dot",
+        embedding_dim: int = 64,
+        num_embeddings_per_feature: int | list[int] = 100_000,
+        dense_arch_layer_sizes: list[int] = [512, 256, 64],
+        over_arch_layer_sizes: list[int] = [512, 512, 256, 1],
+        dcn_num_layers: int = 3,
+        dcn_low_rank_dim: int = 512,
+        interaction_branch1_layer_sizes: list[int] = [2048, 2048],
+        interaction_branch2_layer_sizes: list[int] = [2048, 2048],
+        sparse_optimizer: SparseOptimizer = "row_wise_adagrad",
+        sparse_learning_rate: float = 0.05,
+        dense_optimizer: DenseOptimizer = "adagrad",
+        dense_learning_rate: float = 0.05,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        check_optimizer_names(sparse_optimizer, dense_optimizer)
+        self.model = build_dlrm(
+            interaction=interaction,
+            embedding_dim=embedding_dim,
+            num_embeddings_per_feature=expand_table_sizes(num_embeddings_per_feature, "model.num_embeddings_per_feature"),
+            dense_arch_layer_sizes=dense_arch_layer_sizes,
+            over_arch_layer_sizes=over_arch_layer_sizes,
+            dcn_num_layers=dcn_num_layers,
+            dcn_low_rank_dim=dcn_low_rank_dim,
+            interaction_branch1_layer_sizes=interaction_branch1_layer_sizes,
+            interaction_branch2_layer_sizes=interaction_branch2_layer_sizes,
+            embedding_device="meta",
+        )
+        # Set before sharding: the sharder reads it to build the update into the embedding kernels.
+        fuse_sparse_optimizer(self.model.sparse_arch.parameters(), sparse_optimizer, sparse_learning_rate)
+        self.val_metrics = _eval_metrics("val/")
+        self.test_metrics = _eval_metrics("test/")
+
+    def forward(self, batch: CriteoBatch) -> torch.Tensor:
+        """Click logits (B,) for a batch."""
+        return self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
+
+    def training_step(self, batch: CriteoBatch, batch_idx: int) -> torch.Tensor:
+        logits = self(batch)
+        loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.numel())
+        return loss
+
+    def validation_step(self, batch: CriteoBatch, batch_idx: int) -> None:
+        self._evaluate(batch, self.val_metrics)
+
+    def test_step(self, batch: CriteoBatch, batch_idx: int) -> None:
+        self._evaluate(batch, self.test_metrics)
+
+    def _evaluate(self, batch: CriteoBatch, metrics: MetricCollection) -> None:
+        valid = batch.valid_rows
+        probabilities = torch.sigmoid(self(batch).float())[valid]
+        metrics.update(probabilities, batch.labels[valid].long())
+        # Logged as metric objects: Lightning computes them once per epoch, synced across ranks.
+        self.log_dict(metrics, on_step=False, on_epoch=True, prog_bar=True, batch_size=int(valid.sum()))
+
+    def predict_step(self, batch: CriteoBatch, batch_idx: int) -> dict[str, torch.Tensor]:
+        valid = batch.valid_rows
+        return {"row_ids": batch.row_ids[valid], "probabilities": torch.sigmoid(self(batch).float())[valid]}
+
+    def configure_optimizers(self) -> Any:
+        """Everything but the sharded tables, whose optimizer already runs inside the embedding backward."""
+        return build_optimizer(
+            self,
+            table_prefix="model.sparse_arch.",
+            sparse_optimizer=self.hparams.sparse_optimizer,
+            sparse_learning_rate=self.hparams.sparse_learning_rate,
+            dense_optimizer=self.hparams.dense_optimizer,
+            dense_learning_rate=self.hparams.dense_learning_rate,
+        )

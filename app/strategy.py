@@ -1,0 +1,313 @@
+"""A Lightning strategy that shards embedding tables with TorchRec's planner and DistributedModelParallel.
+
+Why not DDPStrategy: DMP already wraps the dense part in DDP and leaves the sharded tables out of
+it; an outer DDP would all-reduce dense gradients of whole tables. Why not ModelParallelStrategy:
+its checkpoint loader accepts DTensor parameters only, while DMP's tables are ShardedTensors.
+
+Life cycle inside ``Trainer.fit``:
+    ``_configure_launcher`` (main process: settings are validated before any worker starts)
+    -> ``setup_environment`` (process group: gloo on CPU, nccl on GPUs, which is RCCL on ROCm)
+    -> ``setup`` (plan on rank 0 and broadcast, wrap in DMP, combine the fused sparse optimizer with
+       the dense one) -> training, where checkpoints are written by every rank through
+       ``torch.distributed.checkpoint``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch.optim import Optimizer
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.optim.keyed import KeyedOptimizer
+
+from app.optimizers import StepOnceCombinedOptimizer
+from app.sharding import (
+    TableConstraint,
+    build_constraints,
+    default_sharders,
+    embedding_table_names,
+    format_plan,
+    plan_sharding,
+    validate_fused_optimizer,
+    validate_sharding_request,
+)
+
+_METADATA_FILE = "meta.pt"  # the non-tensor part of a checkpoint, written by rank 0
+
+
+class TorchRecStrategy(ParallelStrategy):
+    """Shards the embedding tables of the LightningModule across all processes with TorchRec.
+
+    Args:
+        sharding_types: sharding types the planner may use for every table (default: all the device
+            supports: data_parallel, table_wise, column_wise, table_column_wise on CPU; also row_wise,
+            table_row_wise and grid_shard on GPUs).
+        table_constraints: per-table limits, keyed by table name (``t_cat_0`` ... ``t_cat_25``).
+        hbm_cap_bytes: GPU memory per device the planner may fill (default: the device's total memory).
+        ddr_cap_bytes: host memory per device the planner may fill (default: TorchRec's 128 GiB).
+        process_group_backend: ``gloo`` or ``nccl`` (default: ``nccl`` on GPUs, ``gloo`` on CPU).
+        timeout_s: seconds a collective may wait before the process group gives up, so that a dead
+            rank ends the job instead of hanging it.
+    """
+
+    strategy_name = "torchrec"
+
+    def __init__(
+        self,
+        sharding_types: list[str] | None = None,
+        table_constraints: dict[str, TableConstraint] | None = None,
+        hbm_cap_bytes: int | None = None,
+        ddr_cap_bytes: int | None = None,
+        process_group_backend: str | None = None,
+        timeout_s: float = 1800.0,
+    ) -> None:
+        # Accelerator, devices and cluster environment are filled in by the Trainer.
+        super().__init__()
+        self.sharding_types = sharding_types
+        self.table_constraints = dict(table_constraints or {})
+        self.hbm_cap_bytes = hbm_cap_bytes
+        self.ddr_cap_bytes = ddr_cap_bytes
+        self._process_group_backend = process_group_backend
+        self._timeout = timedelta(seconds=timeout_s)
+        self.num_nodes = 1
+        self.sharding_plan: ShardingPlan | None = None
+        self._dmp: DistributedModelParallel | None = None
+
+    # ---- processes -------------------------------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str:
+        if self._process_group_backend:
+            return self._process_group_backend
+        return "gloo" if self.root_device.type == "cpu" else "nccl"
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Sharded state can only be loaded into a model that is already sharded.
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restores the optimizers together with the model
+
+    def _configure_launcher(self) -> None:
+        # Runs in the launching process, before workers exist: the cheapest place to fail.
+        self._validate_settings()
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def _validate_settings(self) -> None:
+        if self.parallel_devices:
+            validate_sharding_request(self.sharding_types, self.table_constraints, self.parallel_devices[0].type)
+        if self._process_group_backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"strategy.process_group_backend = {self._process_group_backend!r}: use gloo or nccl")
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        # TorchRec tells intra- from inter-node links by LOCAL_WORLD_SIZE (default 8); Lightning's
+        # launcher and SLURM do not export it.
+        os.environ["LOCAL_WORLD_SIZE"] = str(self.num_processes)
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self.process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+
+    # ---- model and optimizers --------------------------------------------------------------
+
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._reject_settings_fused_updates_cannot_honour(trainer)
+        self.model = self._shard(self.lightning_module)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _reject_settings_fused_updates_cannot_honour(self, trainer: Trainer) -> None:
+        # The sparse optimizer updates the tables inside backward, so nothing can happen between
+        # backward and step: no accumulation, no loss scaling of fp16.
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"trainer.accumulate_grad_batches = {trainer.accumulate_grad_batches}: the embedding optimizer is "
+                "fused into backward and updates every step; raise data.batch_size instead"
+            )
+        precision = str(getattr(self.precision_plugin, "precision", ""))
+        if precision.startswith("16"):
+            raise ValueError(
+                f"trainer.precision = {precision}: fp16 loss scaling cannot reach the fused embedding update; "
+                "use bf16-mixed"
+            )
+
+    def _shard(self, module: LightningModule) -> DistributedModelParallel:
+        if self._dmp is not None and self._dmp.module is module:
+            return self._dmp  # a second trainer.validate()/test() after fit: already sharded
+        tables = embedding_table_names(module)
+        validate_sharding_request(self.sharding_types, self.table_constraints, self.root_device.type, tables)
+        validate_fused_optimizer(module, self.root_device.type)
+        sharders = default_sharders()
+        self.sharding_plan = plan_sharding(
+            module,
+            world_size=self.world_size,
+            local_world_size=self.num_processes,
+            device=self.root_device,
+            sharders=sharders,
+            constraints=build_constraints(tables, self.sharding_types, self.table_constraints),
+            hbm_cap_bytes=self.hbm_cap_bytes or self._device_memory_bytes(),
+            ddr_cap_bytes=self.ddr_cap_bytes,
+            batch_size_per_rank=None,
+            process_group=dist.group.WORLD,
+        )
+        rank_zero_info(f"TorchRec sharding plan ({self.world_size} ranks):\n{format_plan(self.sharding_plan)}")
+        self._dmp = DistributedModelParallel(
+            module,
+            env=ShardingEnv.from_process_group(dist.group.WORLD),
+            device=self.root_device,
+            plan=self.sharding_plan,
+            sharders=sharders,
+        )
+        return self._dmp
+
+    def _device_memory_bytes(self) -> int | None:
+        if self.root_device.type == "cuda":
+            return torch.cuda.get_device_properties(self.root_device).total_memory
+        return None
+
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        """Steps one optimizer: the DMP's fused sparse optimizer combined with the module's dense one."""
+        super().setup_optimizers(trainer)
+        if len(self.optimizers) != 1 or not isinstance(self.optimizers[0], KeyedOptimizer):
+            raise TypeError(
+                "configure_optimizers must return exactly one torchrec KeyedOptimizer for the dense parameters "
+                "(e.g. KeyedOptimizerWrapper); the strategy adds the fused embedding optimizer to it"
+            )
+        assert self._dmp is not None
+        self.optimizers = [StepOnceCombinedOptimizer([("sparse", self._dmp.fused_optimizer), ("dense", self.optimizers[0])])]
+
+    def model_to_device(self) -> None:
+        pass  # DMP places every shard and the dense part itself; a .to() would undo the sharding
+
+    # ---- collectives -----------------------------------------------------------------------
+
+    def barrier(self, name: str | None = None) -> None:
+        if not dist.is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not dist.is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    # Every rank writes its own shards through torch.distributed.checkpoint into one directory;
+    # rank 0 adds the non-tensor metadata (loops, callbacks, hyper-parameters, the sharding plan).
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return getattr(optimizer, "_optimizer", optimizer).state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("TorchRecStrategy.save_checkpoint does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        tensors = {"state_dict": checkpoint.pop("state_dict")}
+        if "optimizer_states" in checkpoint:
+            tensors["optimizer_states"] = checkpoint.pop("optimizer_states")
+        dcp.save(tensors, checkpoint_id=path)
+        if self.is_global_zero:
+            checkpoint["sharding_plan"] = self._plan_summary()
+            torch.save(checkpoint, path / _METADATA_FILE)
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if not (path / _METADATA_FILE).is_file():
+            raise FileNotFoundError(f"{path} is not a checkpoint written by TorchRecStrategy (no {_METADATA_FILE})")
+        metadata = torch.load(path / _METADATA_FILE, map_location="cpu", weights_only=False)
+        if metadata.get("sharding_plan") != self._plan_summary():
+            raise ValueError(
+                f"{path} was written under another sharding plan or world size; resuming needs the same "
+                "strategy settings and number of processes"
+            )
+        tensors: dict[str, Any] = {"state_dict": self.lightning_module.state_dict()}
+        if self.optimizers:
+            for optimizer in self.optimizers:
+                optimizer.init_state()  # fused optimizer state is lazy: give DCP tensors to load into
+            tensors["optimizer_states"] = [optimizer.state_dict() for optimizer in self.optimizers]
+        dcp.load(tensors, checkpoint_id=path)
+        self.lightning_module.load_state_dict(tensors["state_dict"])
+        for optimizer, state in zip(self.optimizers, tensors.get("optimizer_states", [])):
+            optimizer.load_state_dict(state)
+        return metadata
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # load_checkpoint has loaded the shards already
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # load_checkpoint has loaded the optimizer state already
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.remove_checkpoint(filepath)
+
+    def _plan_summary(self) -> dict[str, tuple[str, list[int] | None]]:
+        assert self.sharding_plan is not None
+        return {
+            name: (sharding.sharding_type, sharding.ranks)
+            for module_plan in self.sharding_plan.plan.values()
+            for name, sharding in module_plan.items()  # type: ignore[union-attr]
+        }
