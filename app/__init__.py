@@ -1,0 +1,1 @@
+"""DLRM trainer for Criteo click logs (PyTorch Lightning + TorchRec)."""

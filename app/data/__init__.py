@@ -1,0 +1,1 @@
+"""Criteo data: raw TSV reading and the synthetic sample generator."""

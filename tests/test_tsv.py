@@ -1,0 +1,410 @@
+"""The raw Criteo TSV reader: real rows against a plain Python reference parser, the variants
+seen in the wild (stripped trailing fields, CRLF, no final newline, unlabelled rows), and every
+kind of malformed input, which must fail loudly with the file name and the right line."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.data import tsv
+from app.data.tsv import (
+    CriteoArrays,
+    CriteoFormatError,
+    expand_paths,
+    parse_tsv_bytes,
+    read_tsv,
+    read_tsv_files,
+)
+
+REAL_DIR = Path(__file__).resolve().parents[1].parent / "shared/data/criteo"
+REAL_FILES = {"terabyte_day0_10k.tsv": 10_000, "kaggle_train_4571.tsv": 4_571}
+
+RAW = [2**32] * 26  # modulo 2**32 keeps the 32-bit ids as they are
+SMALL = [3, 7, 10, 97, 100, 1_000, 4_096, 10_000, 65_537, 10**6] * 2 + [2, 5, 11, 13, 40_000_000, 2**31]
+
+
+def real_file(name: str) -> Path:
+    path = REAL_DIR / name
+    if not path.is_file():
+        pytest.skip(f"real Criteo rows not available: {path} is absent (fixtures live outside the repo)")
+    return path
+
+
+def reference_parse(text: str, moduli: list[int], labelled: bool = True) -> dict[str, np.ndarray]:
+    """Obviously correct, slow: split every line, pad on the right, convert field by field."""
+    return _reference_parse(text, tuple(moduli), labelled)
+
+
+@functools.lru_cache(maxsize=16)  # several tests check the same fixture against the same reference
+def _reference_parse(text: str, moduli: tuple[int, ...], labelled: bool) -> dict[str, np.ndarray]:
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the final newline ends the last line, it does not start another
+    width = 40 if labelled else 39
+    labels, dense, sparse = [], [], []
+    for line in lines:
+        fields = line.rstrip("\r\n").split("\t")
+        assert len(fields) <= width
+        fields += [""] * (width - len(fields))
+        if labelled:
+            labels.append(float(fields.pop(0)))
+        dense.append([max(int(v), 0) if v else 0 for v in fields[:13]])
+        sparse.append([int(v, 16) % m if v else 0 for v, m in zip(fields[13:], moduli)])
+    return {
+        # the documented transform, applied to the reference integers
+        "dense": np.log1p(np.array(dense, dtype=np.float64)).astype(np.float32),
+        "sparse": np.array(sparse, dtype=np.int64),
+        "labels": np.array(labels if labelled else [-1.0] * len(lines), dtype=np.float32),
+    }
+
+
+def assert_matches(arrays: CriteoArrays, expected: dict[str, np.ndarray]) -> None:
+    assert arrays.dense.dtype == np.float32 and arrays.dense.shape == expected["dense"].shape
+    assert arrays.sparse.dtype == np.int64 and arrays.sparse.shape == expected["sparse"].shape
+    assert arrays.labels.dtype == np.float32 and arrays.labels.shape == expected["labels"].shape
+    np.testing.assert_array_equal(arrays.dense, expected["dense"])
+    np.testing.assert_array_equal(arrays.sparse, expected["sparse"])
+    np.testing.assert_array_equal(arrays.labels, expected["labels"])
+
+
+@pytest.fixture(params=[None, 16_384], ids=["default-chunks", "16KiB-chunks"])
+def chunk_bytes(request, monkeypatch) -> None:
+    """Run a test with the default chunking and with many small chunks (line numbering, joins)."""
+    if request.param is not None:
+        monkeypatch.setattr(tsv, "CHUNK_BYTES", request.param)
+
+
+# ----------------------------------------------------------------------------------------------
+# Real rows
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(REAL_FILES))
+@pytest.mark.parametrize("moduli", [RAW, SMALL], ids=["raw-ids", "small-tables"])
+def test_real_rows_match_the_reference_parser(name, moduli, chunk_bytes):
+    path = real_file(name)
+    expected = reference_parse(path.read_text("ascii"), moduli)
+    arrays = read_tsv(path, moduli)
+    assert len(arrays) == REAL_FILES[name]  # every row read, none dropped
+    assert_matches(arrays, expected)
+
+
+def test_real_positive_counts():
+    terabyte = read_tsv(real_file("terabyte_day0_10k.tsv"), RAW)
+    assert int(terabyte.labels.sum()) == 265  # 2.65 % of 10,000
+    kaggle_path = real_file("kaggle_train_4571.tsv")
+    positives = sum(line.split("\t", 1)[0] == "1" for line in kaggle_path.read_text("ascii").splitlines())
+    kaggle = read_tsv(kaggle_path, RAW)
+    assert int(kaggle.labels.sum()) == positives
+    assert positives / 4_571 == pytest.approx(0.225, abs=0.001)
+
+
+def test_real_rows_cover_the_format():
+    """The fixtures exercise what the reader must handle: negatives and missing values."""
+    for name, negative_column in [("kaggle_train_4571.tsv", 2), ("terabyte_day0_10k.tsv", 8)]:
+        rows = [line.split("\t") for line in real_file(name).read_text("ascii").splitlines()]
+        assert any(row[negative_column].startswith("-") for row in rows)  # Kaggle I2, Terabyte I8
+        assert any("" in row for row in rows)  # missing values
+
+
+@pytest.mark.parametrize("name", sorted(REAL_FILES))
+def test_real_rows_stripped_crlf_and_no_final_newline(name, tmp_path, chunk_bytes):
+    """Files in the wild: trailing empty fields stripped, CRLF endings, no newline at the end."""
+    original = real_file(name).read_text("ascii")
+    stripped = [line.rstrip("\t") for line in original.splitlines()]
+    if name.startswith("kaggle"):  # Kaggle rows often end with missing C25/C26 (Terabyte's not)
+        assert sum(len(line.split("\t")) < 40 for line in stripped) > 1_000
+    path = tmp_path / name
+    path.write_bytes("\r\n".join(stripped).encode())
+    assert_matches(read_tsv(path, SMALL), reference_parse(original, SMALL))
+    assert_matches(read_tsv(path, SMALL, labelled=True), reference_parse(original, SMALL))
+
+
+@pytest.mark.parametrize("name", sorted(REAL_FILES))
+@pytest.mark.parametrize("strip", [False, True], ids=["39-fields", "stripped"])
+def test_real_rows_unlabelled(name, strip, tmp_path, chunk_bytes):
+    """Kaggle test.txt style: no label column; auto-detected; labels are -1."""
+    unlabelled = [line.split("\t", 1)[1] for line in real_file(name).read_text("ascii").splitlines()]
+    if strip:
+        unlabelled = [line.rstrip("\t") for line in unlabelled]
+    path = tmp_path / name
+    path.write_text("\n".join(unlabelled) + "\n")
+    expected = reference_parse("\n".join(unlabelled), SMALL, labelled=False)
+    assert_matches(read_tsv(path, SMALL), expected)
+    assert_matches(read_tsv(path, SMALL, labelled=False), expected)
+
+
+# ----------------------------------------------------------------------------------------------
+# Variants and values, on small hand-made rows
+# ----------------------------------------------------------------------------------------------
+
+IDS = [f"{(j * 2_654_435_761 + 12_345) % 2**32:08x}" for j in range(26)]
+GOOD = "\t".join(["1"] + [str(10 * k) for k in range(13)] + IDS)
+UNLABELLED = GOOD.split("\t", 1)[1]
+
+
+def with_field(row: str, index: int, value: str) -> str:
+    fields = row.split("\t")
+    fields[index] = value
+    return "\t".join(fields)
+
+
+def write(tmp_path: Path, lines: list[str], name: str = "rows.tsv", end: str = "\n") -> Path:
+    path = tmp_path / name
+    path.write_bytes((end.join(lines) + end).encode("latin-1"))
+    return path
+
+
+def test_short_rows_are_padded_on_the_right(tmp_path):
+    # 38 fields: C25 and C26 stripped. C24 must stay C24 (torchrec's mapper would shift it).
+    short = "\t".join(GOOD.split("\t")[:38])
+    arrays = read_tsv(write(tmp_path, [GOOD, short]), RAW)
+    np.testing.assert_array_equal(arrays.sparse[1, :24], arrays.sparse[0, :24])
+    np.testing.assert_array_equal(arrays.sparse[1, 24:], [0, 0])
+    tiny = read_tsv(write(tmp_path, [GOOD, "0\t5"], name="tiny.tsv"), RAW)  # label and I1 only
+    assert tiny.labels[1] == 0 and tiny.dense[1, 0] == np.float32(np.log1p(5.0))
+    assert not tiny.dense[1, 1:].any() and not tiny.sparse[1].any()
+
+
+def test_dense_values(tmp_path):
+    values = ["-1", "-3", "0", "007", "2147483648", "9999999999", "123456789012345678", "", "5"]
+    values += ["1"] * (13 - len(values))
+    row = "\t".join(["0"] + values + IDS)
+    arrays = read_tsv(write(tmp_path, [row]), RAW)
+    expected = [0, 0, 0, 7, 2_147_483_648, 9_999_999_999, 123_456_789_012_345_678, 0, 5] + [1] * 4
+    np.testing.assert_array_equal(arrays.dense[0], np.log1p(np.array(expected, np.float64)).astype(np.float32))
+
+
+def test_hex_ids_any_case_and_length(tmp_path):
+    ids = ["0", "f", "F", "00000000", "ffffffff", "FFFFFFFF", "aBcDeF12", "1", "12345", ""] + IDS[10:]
+    row = "\t".join(["0"] + ["1"] * 13 + ids)
+    arrays = read_tsv(write(tmp_path, [row]), RAW)
+    expected = [int(v, 16) if v else 0 for v in ids]
+    np.testing.assert_array_equal(arrays.sparse[0], expected)
+    small = read_tsv(write(tmp_path, [row], name="small.tsv"), SMALL)
+    np.testing.assert_array_equal(small.sparse[0], [e % m for e, m in zip(expected, SMALL)])
+
+
+def test_crlf_and_missing_final_newline(tmp_path):
+    expected = read_tsv(write(tmp_path, [GOOD, GOOD, GOOD]), RAW)
+    for name, data in {
+        "crlf.tsv": f"{GOOD}\r\n{GOOD}\r\n{GOOD}\r\n",
+        "no-final.tsv": f"{GOOD}\n{GOOD}\n{GOOD}",
+        "crlf-no-final.tsv": f"{GOOD}\r\n{GOOD}\r\n{GOOD}",
+        "mixed.tsv": f"{GOOD}\r\n{GOOD}\n{GOOD}\r\n",
+    }.items():
+        (tmp_path / name).write_bytes(data.encode())
+        arrays = read_tsv(tmp_path / name, RAW)
+        assert len(arrays) == 3
+        assert_matches(arrays, {"dense": expected.dense, "sparse": expected.sparse, "labels": expected.labels})
+
+
+def test_labelled_detection_uses_the_widest_row(tmp_path):
+    # The first row lost its empty C26, so it has 39 fields; the file is still labelled.
+    first = with_field(GOOD, 39, "").rstrip("\t")
+    arrays = read_tsv(write(tmp_path, [first, GOOD]), RAW)
+    np.testing.assert_array_equal(arrays.labels, [1, 1])
+    unlabelled = read_tsv(write(tmp_path, [UNLABELLED, UNLABELLED], name="u.tsv"), RAW)
+    np.testing.assert_array_equal(unlabelled.labels, [-1, -1])
+    np.testing.assert_array_equal(unlabelled.sparse[:, :25], arrays.sparse[:, :25])
+    assert arrays.sparse[0, 25] == 0 and arrays.sparse[1, 25] == unlabelled.sparse[0, 25]
+
+
+def test_parse_tsv_bytes_numbers_lines_from_the_given_start():
+    arrays = parse_tsv_bytes(f"{GOOD}\n{GOOD}\n".encode(), 1, "chunk.tsv", RAW, None)
+    assert len(arrays) == 2
+    bad = f"{GOOD}\n{with_field(GOOD, 0, '7')}\n".encode()
+    with pytest.raises(CriteoFormatError, match=r"^day_0:1001: label = '7' is not 0 or 1"):
+        parse_tsv_bytes(bad, 1000, "day_0", RAW, True)
+
+
+def test_wrong_table_sizes_are_rejected(tmp_path):
+    path = write(tmp_path, [GOOD])
+    with pytest.raises(ValueError, match="26 positive table sizes"):
+        read_tsv(path, [10] * 25)
+    with pytest.raises(ValueError, match="26 positive table sizes"):
+        read_tsv(path, [10] * 25 + [0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Malformed input: a CriteoFormatError naming file:line and the problem
+# ----------------------------------------------------------------------------------------------
+
+BAD_ROWS = {  # case -> (bad row, expected message after "file:line: ")
+    "too-many-fields": (GOOD + "\t1a2b", "too many fields: 41"),
+    "dense-decimal-point": (with_field(GOOD, 3, "1.5"), "field I3 = '1.5' is not an integer"),
+    "dense-letters": (with_field(GOOD, 1, "abc"), "field I1 = 'abc' is not an integer"),
+    "dense-lone-minus": (with_field(GOOD, 13, "-"), "field I13 = '-' is not an integer"),
+    "dense-double-minus": (with_field(GOOD, 2, "--1"), "field I2 = '--1' is not an integer"),
+    "dense-inner-minus": (with_field(GOOD, 2, "1-2"), "field I2 = '1-2' is not an integer"),
+    "dense-plus": (with_field(GOOD, 2, "+5"), "field I2 = '+5' is not an integer"),
+    "dense-space": (with_field(GOOD, 4, " 5"), "field I4 = ' 5' is not an integer"),
+    "dense-19-digits": (with_field(GOOD, 5, "1" * 19), f"field I5 = '{'1' * 19}' is not an integer"),
+    "dense-hex": (with_field(GOOD, 6, "68fd1e64"), "field I6 = '68fd1e64' is not an integer"),
+    "hex-letters": (with_field(GOOD, 16, "zz12"), "field C3 = 'zz12' is not a hex id"),
+    "hex-9-digits": (with_field(GOOD, 14, "123456789"), "field C1 = '123456789' is not a hex id"),
+    "hex-minus": (with_field(GOOD, 39, "-1ab"), "field C26 = '-1ab' is not a hex id"),
+    "hex-g": (with_field(GOOD, 20, "6g"), "field C7 = '6g' is not a hex id"),
+    "hex-space": (with_field(GOOD, 21, "abc def"), "field C8 = 'abc def' is not a hex id"),
+    "label-2": (with_field(GOOD, 0, "2"), "label = '2' is not 0 or 1"),
+    "label-empty": (with_field(GOOD, 0, ""), "label = '' is not 0 or 1"),
+    "label-01": (with_field(GOOD, 0, "01"), "label = '01' is not 0 or 1"),
+    "label-minus-1": (with_field(GOOD, 0, "-1"), "label = '-1' is not 0 or 1"),
+    "empty-line": ("", "empty line"),
+    "empty-crlf-line": ("\r", "empty line"),
+    "nul-byte": (with_field(GOOD, 3, "1\x002"), "control byte 0x00 at column"),
+    "vertical-tab": (with_field(GOOD, 16, "ab\x0bcd"), "control byte 0x0b at column"),
+    "delete-byte": (with_field(GOOD, 16, "ab\x7f"), "control byte 0x7f at column"),
+    "non-ascii": (with_field(GOOD, 16, "caf\xe9"), "non-ASCII byte 0xe9 at column"),
+    "lone-carriage-return": (with_field(GOOD, 16, "ab\rcd"), "carriage return (\\r) that does not end the line"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ROWS))
+@pytest.mark.parametrize("bad_line", [1, 4, 7])
+def test_malformed_row_names_file_and_line(case, bad_line, tmp_path):
+    row, message = BAD_ROWS[case]
+    lines = [GOOD] * 7
+    lines[bad_line - 1] = row
+    path = write(tmp_path, lines, name="kaggle.tsv")
+    with pytest.raises(CriteoFormatError) as raised:
+        read_tsv(path, SMALL, labelled=True)
+    assert str(raised.value).startswith(f"{path}:{bad_line}: "), str(raised.value)
+    assert message in str(raised.value)
+
+
+def test_column_of_a_bad_byte(tmp_path):
+    path = write(tmp_path, [GOOD, "1\t2\x003" + GOOD[5:]])
+    with pytest.raises(CriteoFormatError, match=r"rows\.tsv:2: control byte 0x00 at column 4 "):
+        read_tsv(path, RAW)
+
+
+def test_unlabelled_file_with_a_labelled_row(tmp_path):
+    path = write(tmp_path, [UNLABELLED, UNLABELLED, GOOD])
+    with pytest.raises(CriteoFormatError, match=r"rows\.tsv:3: too many fields: 40 \(an unlabelled row"):
+        read_tsv(path, RAW, labelled=False)
+
+
+def test_labelled_file_read_as_unlabelled_fails_on_line_1(tmp_path):
+    with pytest.raises(CriteoFormatError, match=r"rows\.tsv:1: too many fields: 40"):
+        read_tsv(write(tmp_path, [GOOD, GOOD]), RAW, labelled=False)
+
+
+def test_the_first_bad_line_is_reported(tmp_path, chunk_bytes):
+    """A value error on an earlier line wins over a structural error on a later one."""
+    lines = [GOOD] * 60
+    lines[41] = with_field(GOOD, 20, "xyz")  # line 42: a bad id
+    lines[44] = GOOD + "\t1"  # line 45: too many fields
+    lines[49] = ""  # line 50: empty
+    path = write(tmp_path, lines)
+    with pytest.raises(CriteoFormatError, match=r"rows\.tsv:42: field C7 = 'xyz' is not a hex id"):
+        read_tsv(path, RAW)
+    lines[41] = GOOD
+    with pytest.raises(CriteoFormatError, match=r"rows\.tsv:45: too many fields"):
+        read_tsv(write(tmp_path, lines), RAW)
+    lines[44] = GOOD
+    lines[46] = with_field(GOOD, 0, "x")
+    with pytest.raises(CriteoFormatError, match=r"rows\.tsv:47: label = 'x'"):
+        read_tsv(write(tmp_path, lines), RAW)
+
+
+def test_line_numbers_across_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(tsv, "CHUNK_BYTES", 1_000)  # about 4 rows per chunk
+    lines = [GOOD] * 500
+    lines[456] = with_field(GOOD, 25, "nothex")
+    with pytest.raises(CriteoFormatError, match=r"rows\.tsv:457: field C12 = 'nothex'"):
+        read_tsv(write(tmp_path, lines), RAW)
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.tsv"
+    path.write_bytes(b"")
+    with pytest.raises(CriteoFormatError, match=r"empty\.tsv:1: file is empty"):
+        read_tsv(path, RAW)
+
+
+def test_only_newline(tmp_path):
+    path = tmp_path / "blank.tsv"
+    path.write_bytes(b"\n")
+    with pytest.raises(CriteoFormatError, match=r"blank\.tsv:1: empty line"):
+        read_tsv(path, RAW)
+
+
+def test_undecidable_labelling(tmp_path):
+    with pytest.raises(CriteoFormatError, match=r"short\.tsv:1: cannot tell whether the rows are labelled"):
+        read_tsv(write(tmp_path, ["1\t2\t3"], name="short.tsv"), RAW)
+    arrays = read_tsv(write(tmp_path, ["1\t2\t3"], name="short.tsv"), RAW, labelled=True)
+    assert arrays.labels[0] == 1 and arrays.dense[0, 0] == np.float32(np.log1p(2.0))
+
+
+def test_long_garbage_is_shortened_in_the_message(tmp_path):
+    path = write(tmp_path, [with_field(GOOD, 30, "x" * 500)])
+    with pytest.raises(CriteoFormatError) as raised:
+        read_tsv(path, RAW)
+    assert len(str(raised.value)) < 200 and "..." in str(raised.value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Several files and path specs
+# ----------------------------------------------------------------------------------------------
+
+
+def test_read_tsv_files_concatenates_in_order(tmp_path):
+    first = write(tmp_path, [GOOD, with_field(GOOD, 0, "0")], name="b.tsv")
+    second = write(tmp_path, [with_field(GOOD, 1, "99")], name="a.tsv")
+    arrays = read_tsv_files([first, second], RAW)
+    np.testing.assert_array_equal(arrays.labels, [1, 0, 1])
+    assert arrays.dense[2, 0] == np.float32(np.log1p(99.0))
+    both = CriteoArrays.concat([read_tsv(first, RAW), read_tsv(second, RAW)])
+    assert_matches(arrays, {"dense": both.dense, "sparse": both.sparse, "labels": both.labels})
+
+
+def test_read_tsv_files_refuses_to_mix_labelled_and_unlabelled(tmp_path):
+    labelled = write(tmp_path, [GOOD], name="train.tsv")
+    unlabelled = write(tmp_path, [UNLABELLED], name="test.tsv")
+    with pytest.raises(CriteoFormatError, match=r"test\.tsv:1: file is unlabelled but .*train\.tsv is labelled"):
+        read_tsv_files([labelled, unlabelled], RAW)
+
+
+def test_concat_of_nothing():
+    empty = CriteoArrays.concat([])
+    assert len(empty) == 0 and empty.dense.shape == (0, 13) and empty.sparse.shape == (0, 26)
+
+
+def test_expand_paths(tmp_path):
+    folder = tmp_path / "days"
+    folder.mkdir()
+    for name in ["day_1.tsv", "day_0.tsv", "day_2.txt", "notes.md", "day_3.tsv.gz"]:
+        (folder / name).write_text("x")
+    (folder / "sub.tsv").mkdir()  # a directory named like a data file is not a file
+    day0, day1, day2 = folder / "day_0.tsv", folder / "day_1.tsv", folder / "day_2.txt"
+    assert expand_paths(folder) == [day0, day1, day2]
+    assert expand_paths(str(folder)) == [day0, day1, day2]
+    assert expand_paths(day1) == [day1]
+    assert expand_paths(str(folder / "day_*.tsv")) == [day0, day1]
+    assert expand_paths([day2, str(folder / "day_[01].tsv")]) == [day2, day0, day1]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("missing.tsv", "does not exist"),
+        ("nothing-*.tsv", "no data files match"),
+        ("empty-dir", "contains no *.tsv or *.txt files"),
+    ],
+)
+def test_expand_paths_names_what_is_missing(spec, message, tmp_path):
+    (tmp_path / "empty-dir").mkdir()
+    full = str(tmp_path / spec)
+    with pytest.raises(FileNotFoundError) as raised:
+        expand_paths(full)
+    assert full in str(raised.value) and message in str(raised.value)
+
+
+def test_expand_paths_empty_list():
+    with pytest.raises(FileNotFoundError, match="empty"):
+        expand_paths([])
