@@ -72,7 +72,7 @@ class DLRMModule(LightningModule):
         self.model = build_dlrm(
             interaction=interaction,
             embedding_dim=embedding_dim,
-            num_embeddings_per_feature=expand_table_sizes(num_embeddings_per_feature, "model.num_embeddings_per_feature"),
+            num_embeddings_per_feature=expand_table_sizes(num_embeddings_per_feature, "num_embeddings_per_feature"),
             dense_arch_layer_sizes=dense_arch_layer_sizes,
             over_arch_layer_sizes=over_arch_layer_sizes,
             dcn_num_layers=dcn_num_layers,

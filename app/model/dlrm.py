@@ -147,7 +147,7 @@ def build_dlrm(
         ("interaction_branch2_layer_sizes", interaction_branch2_layer_sizes),
     ):
         if sizes[-1] % embedding_dim:
-            raise ValueError(f"{name}[-1] = {sizes[-1]} must be a multiple of embedding_dim = {embedding_dim}")
+            raise ValueError(f"model.{name}[-1] = {sizes[-1]} must be a multiple of embedding_dim = {embedding_dim}")
     return DLRM_Projection(
         **common,
         interaction_branch1_layer_sizes=list(interaction_branch1_layer_sizes),
@@ -163,16 +163,16 @@ def validate_dlrm_sizes(
 ) -> None:
     """Checks the settings TorchRec would otherwise reject with a bare assertion deep in construction."""
     if interaction not in INTERACTIONS:
-        raise ValueError(f"interaction = {interaction!r} is not one of {', '.join(INTERACTIONS)}")
+        raise ValueError(f"model.interaction = {interaction!r} is not one of {', '.join(INTERACTIONS)}")
     if embedding_dim < 1:
-        raise ValueError(f"embedding_dim = {embedding_dim} must be positive")
+        raise ValueError(f"model.embedding_dim = {embedding_dim} must be positive")
     if not dense_arch_layer_sizes or dense_arch_layer_sizes[-1] != embedding_dim:
         raise ValueError(
-            f"dense_arch_layer_sizes = {list(dense_arch_layer_sizes)} must end with embedding_dim = {embedding_dim}: "
+            f"model.dense_arch_layer_sizes = {list(dense_arch_layer_sizes)} must end with embedding_dim = {embedding_dim}: "
             "the bottom MLP's output meets the embeddings in the interaction"
         )
     if len(over_arch_layer_sizes) < 2 or over_arch_layer_sizes[-1] != 1:
         raise ValueError(
-            f"over_arch_layer_sizes = {list(over_arch_layer_sizes)} needs at least two layers and must end with 1 "
+            f"model.over_arch_layer_sizes = {list(over_arch_layer_sizes)} needs at least two layers and must end with 1 "
             "(the click logit)"
         )

@@ -1,0 +1,28 @@
+"""Shared fixtures: a small synthetic Criteo sample, and the real rows in ../shared when present."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.data.synthetic import write_synthetic_criteo
+
+SHARED_CRITEO = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
+
+
+@pytest.fixture(scope="session")
+def sample_dir(tmp_path_factory) -> Path:
+    """train.tsv (4,096 rows) and val.tsv (1,024 rows) from the synthetic generator."""
+    folder = tmp_path_factory.mktemp("synthetic")
+    write_synthetic_criteo(folder / "train.tsv", num_rows=4_096, seed=101)
+    write_synthetic_criteo(folder / "val.tsv", num_rows=1_024, seed=102)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def shared_criteo() -> Path:
+    """The real Criteo rows in ../shared/data/criteo; the test is skipped where that folder is absent."""
+    if not SHARED_CRITEO.is_dir():
+        pytest.skip(f"real Criteo rows not found at {SHARED_CRITEO} (a clone without ../shared)")
+    return SHARED_CRITEO

@@ -1,0 +1,118 @@
+"""The DLRM variants and the metrics, on one process without sharding."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from app.data.batches import make_batch
+from app.metrics import LogLoss, NormalizedEntropy
+from app.model.dlrm import INTERACTIONS, build_dlrm
+from app.model.tables import expand_table_sizes
+
+
+def _batch(batch_size: int = 5):
+    rng = np.random.default_rng(0)
+    return make_batch(
+        rng.random((batch_size, 13), dtype=np.float32),
+        rng.integers(0, 10, (batch_size, 26)),
+        rng.integers(0, 2, batch_size).astype(np.float32),
+        np.arange(batch_size),
+    )
+
+
+@pytest.mark.parametrize("interaction", INTERACTIONS)
+def test_every_interaction_gives_one_logit_per_row(interaction):
+    torch.manual_seed(0)
+    model = build_dlrm(
+        interaction=interaction,
+        embedding_dim=8,
+        num_embeddings_per_feature=[10] * 26,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
+        dcn_num_layers=2,
+        dcn_low_rank_dim=4,
+        interaction_branch1_layer_sizes=[32, 16],
+        interaction_branch2_layer_sizes=[32, 24],
+        embedding_device="cpu",
+    )
+    batch = _batch()
+    logits = model(batch.dense_features, batch.sparse_features)
+    assert logits.shape == (5, 1)
+    assert torch.isfinite(logits).all()
+    logits.sum().backward()  # every part is trainable
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_cat_interaction_feeds_all_embeddings_to_the_top_mlp():
+    model = build_dlrm(
+        interaction="cat",
+        embedding_dim=8,
+        num_embeddings_per_feature=[10] * 26,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
+        embedding_device="cpu",
+    )
+    first_top_layer = next(m for m in model.over_arch.modules() if isinstance(m, torch.nn.Linear))
+    assert first_top_layer.in_features == (26 + 1) * 8
+
+
+def test_tables_start_on_the_meta_device_by_default():
+    model = build_dlrm(
+        interaction="dot", embedding_dim=4, num_embeddings_per_feature=[10**9] * 26,
+        dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1],
+    )  # fmt: skip
+    assert {p.device.type for p in model.sparse_arch.parameters()} == {"meta"}  # 26e9 rows cost nothing
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"interaction": "dcnv3"}, "model.interaction = 'dcnv3' is not one of dot, cat, dcn, projection"),
+        ({"dense_arch_layer_sizes": [16, 4]}, "model.dense_arch_layer_sizes = [16, 4] must end with embedding_dim = 8"),
+        ({"over_arch_layer_sizes": [16, 2]}, "model.over_arch_layer_sizes = [16, 2] needs at least two layers"),
+        ({"num_embeddings_per_feature": [10] * 25}, "has 25 sizes"),
+        (
+            {"interaction": "projection", "interaction_branch1_layer_sizes": [32, 12]},
+            "model.interaction_branch1_layer_sizes[-1] = 12 must be a multiple of embedding_dim = 8",
+        ),
+    ],
+)
+def test_bad_model_settings_are_named(kwargs, message):
+    settings = dict(
+        interaction="dot", embedding_dim=8, num_embeddings_per_feature=[10] * 26,
+        dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1],
+    )  # fmt: skip
+    with pytest.raises(ValueError) as error:
+        build_dlrm(**{**settings, **kwargs})
+    assert message in str(error.value)
+
+
+def test_table_sizes_expand_and_validate():
+    assert expand_table_sizes(7, "x") == [7] * 26
+    with pytest.raises(ValueError, match=r"data.num_embeddings_per_feature\[3\] = 0 must be a positive integer"):
+        expand_table_sizes([5, 5, 5, 0] + [5] * 22, "data.num_embeddings_per_feature")
+
+
+def test_log_loss_and_normalized_entropy_exact():
+    probabilities = torch.tensor([0.9, 0.2, 0.6, 0.1])
+    labels = torch.tensor([1, 0, 0, 0])
+    expected_log_loss = -(math.log(0.9) + math.log(0.8) + math.log(0.4) + math.log(0.9)) / 4
+    base_entropy = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    log_loss, ne = LogLoss(), NormalizedEntropy()
+    # two updates must equal one: the states are running sums
+    for metric in (log_loss, ne):
+        metric.update(probabilities[:1], labels[:1])
+        metric.update(probabilities[1:], labels[1:])
+    assert log_loss.compute().item() == pytest.approx(expected_log_loss, rel=1e-6)
+    assert ne.compute().item() == pytest.approx(expected_log_loss / base_entropy, rel=1e-6)
+
+
+def test_a_constant_base_rate_prediction_has_normalized_entropy_one():
+    labels = torch.tensor([1, 0, 0, 0] * 25)
+    ne = NormalizedEntropy()
+    ne.update(torch.full((100,), 0.25), labels)
+    assert ne.compute().item() == pytest.approx(1.0, rel=1e-6)
