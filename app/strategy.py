@@ -157,7 +157,7 @@ class TorchRecStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._reject_settings_fused_updates_cannot_honour(trainer)
-        self.model = self._shard(self.lightning_module)
+        self.model = self._shard(self.lightning_module, trainer.ckpt_path)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -177,14 +177,16 @@ class TorchRecStrategy(ParallelStrategy):
                 "use bf16-mixed"
             )
 
-    def _shard(self, module: LightningModule) -> DistributedModelParallel:
+    def _shard(self, module: LightningModule, checkpoint_path: str | None) -> DistributedModelParallel:
         if self._dmp is not None and self._dmp.module is module:
             return self._dmp  # a second trainer.validate()/test() after fit: already sharded
         tables = embedding_table_names(module)
         validate_sharding_request(self.sharding_types, self.table_constraints, self.root_device.type, tables)
         validate_fused_optimizer(module, self.root_device.type)
         sharders = default_sharders()
-        self.sharding_plan = plan_sharding(
+        # A checkpoint's shards and optimizer keys only fit the plan they were written under, and the
+        # planner is not guaranteed to choose the same plan twice: reuse the saved one.
+        self.sharding_plan = self._plan_from_checkpoint(checkpoint_path) or plan_sharding(
             module,
             world_size=self.world_size,
             local_world_size=self.num_processes,
@@ -196,7 +198,8 @@ class TorchRecStrategy(ParallelStrategy):
             batch_size_per_rank=None,
             process_group=dist.group.WORLD,
         )
-        rank_zero_info(f"TorchRec sharding plan ({self.world_size} ranks):\n{format_plan(self.sharding_plan)}")
+        source = f", as saved in {checkpoint_path}" if checkpoint_path else ""
+        rank_zero_info(f"TorchRec sharding plan ({self.world_size} ranks{source}):\n{format_plan(self.sharding_plan)}")
         self._dmp = DistributedModelParallel(
             module,
             env=ShardingEnv.from_process_group(dist.group.WORLD),
@@ -205,6 +208,17 @@ class TorchRecStrategy(ParallelStrategy):
             sharders=sharders,
         )
         return self._dmp
+
+    def _plan_from_checkpoint(self, checkpoint_path: str | None) -> ShardingPlan | None:
+        if not checkpoint_path or not (Path(checkpoint_path) / _METADATA_FILE).is_file():
+            return None
+        metadata = torch.load(Path(checkpoint_path) / _METADATA_FILE, map_location="cpu", weights_only=False)
+        if metadata.get("world_size") != self.world_size:
+            raise ValueError(
+                f"{checkpoint_path} was written by {metadata.get('world_size')} processes; this run has "
+                f"{self.world_size}. Resuming under another world size is not supported yet (torchrec#2534)"
+            )
+        return metadata["sharding_plan"]
 
     def _device_memory_bytes(self) -> int | None:
         if self.root_device.type == "cuda":
@@ -269,7 +283,8 @@ class TorchRecStrategy(ParallelStrategy):
             tensors["optimizer_states"] = checkpoint.pop("optimizer_states")
         dcp.save(tensors, checkpoint_id=path)
         if self.is_global_zero:
-            checkpoint["sharding_plan"] = self._plan_summary()
+            checkpoint["sharding_plan"] = self.sharding_plan
+            checkpoint["world_size"] = self.world_size
             torch.save(checkpoint, path / _METADATA_FILE)
         self.barrier()
 
@@ -278,11 +293,6 @@ class TorchRecStrategy(ParallelStrategy):
         if not (path / _METADATA_FILE).is_file():
             raise FileNotFoundError(f"{path} is not a checkpoint written by TorchRecStrategy (no {_METADATA_FILE})")
         metadata = torch.load(path / _METADATA_FILE, map_location="cpu", weights_only=False)
-        if metadata.get("sharding_plan") != self._plan_summary():
-            raise ValueError(
-                f"{path} was written under another sharding plan or world size; resuming needs the same "
-                "strategy settings and number of processes"
-            )
         tensors: dict[str, Any] = {"state_dict": self.lightning_module.state_dict()}
         if self.optimizers:
             for optimizer in self.optimizers:
@@ -303,11 +313,3 @@ class TorchRecStrategy(ParallelStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             self.checkpoint_io.remove_checkpoint(filepath)
-
-    def _plan_summary(self) -> dict[str, tuple[str, list[int] | None]]:
-        assert self.sharding_plan is not None
-        return {
-            name: (sharding.sharding_type, sharding.ranks)
-            for module_plan in self.sharding_plan.plan.values()
-            for name, sharding in module_plan.items()  # type: ignore[union-attr]
-        }

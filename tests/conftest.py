@@ -13,10 +13,11 @@ SHARED_CRITEO = Path(__file__).resolve().parents[2] / "shared" / "data" / "crite
 
 @pytest.fixture(scope="session")
 def sample_dir(tmp_path_factory) -> Path:
-    """train.tsv (4,096 rows) and val.tsv (1,024 rows) from the synthetic generator."""
+    """train.tsv (4,096 rows), val.tsv (1,024 rows), predict.tsv (100 unlabelled) from the generator."""
     folder = tmp_path_factory.mktemp("synthetic")
     write_synthetic_criteo(folder / "train.tsv", num_rows=4_096, seed=101)
     write_synthetic_criteo(folder / "val.tsv", num_rows=1_024, seed=102)
+    write_synthetic_criteo(folder / "predict.tsv", num_rows=100, seed=103, labelled=False)
     return folder
 
 
