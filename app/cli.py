@@ -10,8 +10,10 @@ Examples::
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
 
 from lightning.pytorch.cli import LightningCLI
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -34,9 +36,17 @@ class DLRMCLI(LightningCLI):
         parser.add_lightning_class_args(PredictionWriter, "prediction_writer")
 
 
+def _silence_known_library_noise() -> None:
+    """Deprecation notices from the pinned libraries' internals, which no user setting can change."""
+    warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+
+
 @record  # under torchrun, the failing rank's traceback is reported instead of a bare exit code
 def cli_main(args: list[str] | None = None) -> DLRMCLI:
     """Parses ``args`` (default: ``sys.argv``), builds the model, data and trainer, and runs the subcommand."""
+    _silence_known_library_noise()
     try:
         return DLRMCLI(
             DLRMModule,

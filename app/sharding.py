@@ -7,6 +7,7 @@ starts, and renders the resulting plan as a table for the log.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -14,11 +15,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-from torchrec.distributed.planner.types import ParameterConstraints
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+from torchrec.distributed.planner.types import KernelConfig, ParameterConstraints, TopologyFactory, TrainerConfig
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+# Share of each device's memory the planner keeps free for the dense model, activations and buffers.
+STORAGE_RESERVED_FRACTION = 0.15
 
 SHARDING_TYPES: tuple[str, ...] = tuple(t.value for t in ShardingType)
 
@@ -149,27 +154,37 @@ def plan_sharding(
     process_group: dist.ProcessGroup,
 ) -> ShardingPlan:
     """Plans on rank 0 and broadcasts, so every rank shards identically (TorchRec's collective_plan)."""
-    topology = Topology(
-        world_size=world_size,
+    topology = TopologyFactory.create_topology(
+        TrainerConfig(
+            world_size=world_size,
+            local_world_size=local_world_size,
+            hbm_cap_bytes=hbm_cap_bytes,
+            ddr_cap_bytes=ddr_cap_bytes,
+        ),
         # ROCm GPUs report "cuda" too, which is what the planner expects.
-        compute_device=device.type,
-        local_world_size=local_world_size,
-        hbm_cap=hbm_cap_bytes,
-        ddr_cap=ddr_cap_bytes,
+        kernel_config=KernelConfig(compute_device=device.type),
     )
     planner = EmbeddingShardingPlanner(
         topology=topology,
         batch_size=batch_size_per_rank,
         constraints=constraints,
+        # TorchRec's default (heuristical) reservation estimates the dense part from tensors that are
+        # not materialised yet and warns about it; a fixed share of each device's memory does not.
+        storage_reservation=FixedPercentageStorageReservation(percentage=STORAGE_RESERVED_FRACTION),
     )
     return planner.collective_plan(module, sharders, process_group)
+
+
+def _natural_key(name: str) -> list[int | str]:
+    """Sorts t_cat_2 before t_cat_10."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def format_plan(plan: ShardingPlan) -> str:
     """The plan as an aligned text table: one row per table, with its sharding type, kernel and shards."""
     rows = [("table", "sharding", "kernel", "ranks", "shard sizes (rows x cols)")]
     for module_path, module_plan in sorted(plan.plan.items()):
-        for param_name, sharding in sorted(module_plan.items()):  # type: ignore[union-attr]
+        for param_name, sharding in sorted(module_plan.items(), key=lambda item: _natural_key(item[0])):  # type: ignore[union-attr]
             shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
             sizes = " ".join("x".join(str(s) for s in shard.shard_sizes) for shard in shards) or "replicated"
             ranks = ",".join(str(r) for r in sharding.ranks) if sharding.ranks else "all"

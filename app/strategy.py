@@ -15,6 +15,7 @@ Life cycle inside ``Trainer.fit``:
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -278,14 +279,25 @@ class TorchRecStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("TorchRecStrategy.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
+        # Written next to the target and renamed into place once complete, so that a crash while
+        # saving never leaves a half-written checkpoint where `last` or the best one used to be.
+        staging = path.with_name(path.name + ".partial")
+        if self.is_global_zero and staging.exists():
+            shutil.rmtree(staging)
+        self.barrier()
         tensors = {"state_dict": checkpoint.pop("state_dict")}
         if "optimizer_states" in checkpoint:
             tensors["optimizer_states"] = checkpoint.pop("optimizer_states")
-        dcp.save(tensors, checkpoint_id=path)
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging))
         if self.is_global_zero:
             checkpoint["sharding_plan"] = self.sharding_plan
             checkpoint["world_size"] = self.world_size
-            torch.save(checkpoint, path / _METADATA_FILE)
+            torch.save(checkpoint, staging / _METADATA_FILE)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+            staging.rename(path)
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

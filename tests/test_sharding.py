@@ -48,6 +48,7 @@ def fit_args(sample: dict[str, Path], root: Path, sharding_type: str, batch_size
         "--trainer.strategy.sharding_types", f"[{sharding_type}]",
         "--trainer.max_epochs", "2",
         "--trainer.logger", "false",
+        "--trainer.callbacks", "[]",  # drop the demo's checkpoint callback: nothing to save here
         "--trainer.enable_checkpointing", "false",
         "--trainer.enable_progress_bar", "false",
         "--trainer.default_root_dir", str(root),

@@ -41,7 +41,7 @@ def common_args(root: Path, data: Path) -> list[str]:
         "--data.predict", str(data / "predict.tsv"),
         "--data.batch_size", "512",
         "--trainer.default_root_dir", str(root),
-        "--trainer.logger.init_args.save_dir", str(root),
+        "--trainer.callbacks.init_args.dirpath", str(root / "checkpoints"),
         "--trainer.enable_progress_bar", "false",
     ]  # fmt: skip
 
@@ -85,7 +85,9 @@ def test_fit_prints_the_sharding_plan(trained):
 
 def test_checkpoint_holds_every_ranks_shards_and_restores_exactly(trained):
     root = trained["root"]
-    (checkpoint,) = root.glob("logs/version_0/checkpoints/*.ckpt")
+    best, last = sorted(p.name for p in (root / "checkpoints").iterdir())
+    assert best in ("epoch=0-step=40.ckpt", "epoch=1-step=80.ckpt") and last == "last.ckpt"  # top-1 by val/auc
+    checkpoint = root / "checkpoints" / "last.ckpt"
     assert checkpoint.is_dir()
     assert sorted(p.name for p in checkpoint.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
 
@@ -98,7 +100,7 @@ def test_checkpoint_holds_every_ranks_shards_and_restores_exactly(trained):
 
 def test_predict_writes_one_probability_per_row_in_order(trained, tmp_path):
     root = trained["root"]
-    (checkpoint,) = root.glob("logs/version_0/checkpoints/*.ckpt")
+    checkpoint = root / "checkpoints" / "last.ckpt"
     result = run_app(
         "predict", *trained["args"], "--trainer.logger", "false", "--ckpt_path", str(checkpoint),
         "--prediction_writer.output_dir", str(tmp_path),
@@ -136,7 +138,7 @@ def test_fit_reads_real_criteo_rows(name, shared_criteo, tmp_path):
     result = run_app(
         "fit", "--config", "configs/demo.yaml", "--data.train", str(real), "--data.val", str(real),
         "--data.test", "null", "--data.predict", "null", "--trainer.max_epochs", "1",
-        "--data.batch_size", "256", "--trainer.default_root_dir", str(tmp_path),
+        "--data.batch_size", "256", "--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks", "[]",
         "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.init_args.save_dir", str(tmp_path),
         "--trainer.logger.init_args.name", "logs",
         "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
