@@ -27,3 +27,13 @@ def shared_criteo() -> Path:
     if not SHARED_CRITEO.is_dir():
         pytest.skip(f"real Criteo rows not found at {SHARED_CRITEO} (a clone without ../shared)")
     return SHARED_CRITEO
+
+
+@pytest.fixture(scope="session")
+def sample(tmp_path_factory) -> dict[str, Path]:
+    """A tiny split for multi-process equivalence tests: 1,536 training rows (12 global batches of
+    128) and 300 validation rows."""
+    folder = tmp_path_factory.mktemp("sample")
+    write_synthetic_criteo(folder / "train.tsv", num_rows=1_536, seed=11)
+    write_synthetic_criteo(folder / "val.tsv", num_rows=300, seed=12)
+    return {"train": folder / "train.tsv", "val": folder / "val.tsv"}

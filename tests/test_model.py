@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from app.data.batches import make_batch
+from app.data.source import RowBlock
 from app.metrics import LogLoss, NormalizedEntropy
 from app.model.dlrm import INTERACTIONS, build_dlrm
 from app.model.tables import expand_table_sizes
@@ -16,12 +17,12 @@ from app.model.tables import expand_table_sizes
 
 def _batch(batch_size: int = 5):
     rng = np.random.default_rng(0)
-    return make_batch(
-        rng.random((batch_size, 13), dtype=np.float32),
-        rng.integers(0, 10, (batch_size, 26)),
-        rng.integers(0, 2, batch_size).astype(np.float32),
-        np.arange(batch_size),
+    block = RowBlock(
+        dense=rng.random((batch_size, 13), dtype=np.float32),
+        sparse=rng.integers(0, 10, (batch_size, 26)),
+        labels=rng.integers(0, 2, batch_size).astype(np.float32),
     )
+    return make_batch(block, np.arange(batch_size))
 
 
 @pytest.mark.parametrize("interaction", INTERACTIONS)
@@ -116,3 +117,15 @@ def test_a_constant_base_rate_prediction_has_normalized_entropy_one():
     ne = NormalizedEntropy()
     ne.update(torch.full((100,), 0.25), labels)
     assert ne.compute().item() == pytest.approx(1.0, rel=1e-6)
+
+
+def test_multi_hot_rows_become_pooled_bags():
+    """Feature j with m_j ids per row becomes one bag per row: lengths m_j, ids in row order."""
+    sparse = [np.full((2, 1 + (j % 3)), j, dtype=np.int64) for j in range(26)]
+    sparse[1] = np.array([[7, 8], [9, 10]])
+    block = RowBlock(dense=np.zeros((2, 13), np.float32), sparse=sparse, labels=np.zeros(2, np.float32))
+    features = make_batch(block, np.arange(2)).sparse_features.to_dict()
+    assert features["cat_1"].lengths().tolist() == [2, 2]
+    assert features["cat_1"].values().tolist() == [7, 8, 9, 10]
+    assert features["cat_2"].lengths().tolist() == [3, 3]
+    assert features["cat_0"].values().tolist() == [0, 0]

@@ -11,21 +11,12 @@ import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from app.data.batches import make_batch
-from app.data.synthetic import write_synthetic_criteo
 from app.data.tsv import read_tsv
 from multiprocess import run_on_ranks
 
 TABLE_SIZE = 500
 EMBEDDING_DIM = 8
 NUM_TABLES = 26
-
-
-@pytest.fixture(scope="module")
-def sample(tmp_path_factory) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("sample")
-    write_synthetic_criteo(folder / "train.tsv", num_rows=1_536, seed=11)
-    write_synthetic_criteo(folder / "val.tsv", num_rows=300, seed=12)
-    return {"train": folder / "train.tsv", "val": folder / "val.tsv"}
 
 
 def fit_args(sample: dict[str, Path], root: Path, sharding_type: str, batch_size_per_rank: int) -> list[str]:
@@ -69,7 +60,8 @@ def shards_and_predictions(cli) -> dict:
             else:
                 shards[key] = [((0, 0), tuple(value.shape))]  # data-parallel: a full replica
     arrays = read_tsv(cli.datamodule.paths["val"][0], [TABLE_SIZE] * NUM_TABLES)
-    batch = make_batch(arrays.dense, arrays.sparse, arrays.labels, np.arange(len(arrays)))
+    all_rows = np.arange(len(arrays))
+    batch = make_batch(arrays.take(all_rows), all_rows)
     module.eval()
     with torch.no_grad():
         probabilities = torch.sigmoid(module(batch)).numpy()

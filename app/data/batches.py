@@ -1,7 +1,8 @@
 """Training batches in TorchRec's layout, built from Criteo arrays without per-row Python.
 
 A batch holds B rows: ``dense_features`` (B, 13) float32, ``sparse_features`` a KeyedJaggedTensor
-with the 26 categorical features (one id per row and feature for one-hot Criteo), ``labels`` (B,)
+with the 26 categorical features (one id per row and feature for raw Criteo, a bag of ids per row
+and feature for multi-hot data), ``labels`` (B,)
 float32, and ``row_ids`` (B,) int64: each row's index in its split, or -1 for a padding row that
 only keeps the ranks' batch counts equal and must be ignored by metrics and predictions.
 """
@@ -15,6 +16,8 @@ import torch
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from app.data.source import RowBlock
 
 PADDING_ROW_ID = -1
 
@@ -51,21 +54,29 @@ class CriteoBatch(Batch):
         return self.row_ids != PADDING_ROW_ID
 
 
-def make_batch(dense: np.ndarray, sparse: np.ndarray, labels: np.ndarray, row_ids: np.ndarray) -> CriteoBatch:
-    """Builds one batch from already-selected rows: dense (B, 13), sparse (B, 26) int ids, labels (B,)."""
-    batch_size, num_sparse = sparse.shape
-    if num_sparse != len(DEFAULT_CAT_NAMES):
-        raise ValueError(f"expected {len(DEFAULT_CAT_NAMES)} sparse columns, got {num_sparse}")
-    # KeyedJaggedTensor values are feature-major: all rows of cat_0, then all rows of cat_1, ...
-    values = torch.from_numpy(np.ascontiguousarray(sparse.T, dtype=np.int64)).reshape(-1)
-    sparse_features = KeyedJaggedTensor.from_lengths_sync(
-        keys=DEFAULT_CAT_NAMES,
-        values=values,
-        lengths=torch.ones(batch_size * num_sparse, dtype=torch.int32),
-    )
+def make_batch(block: RowBlock, row_ids: np.ndarray) -> CriteoBatch:
+    """Builds one batch from a block of rows; ``row_ids`` (B,) are their ids in the split (-1 for padding)."""
+    values, lengths = _jagged_ids(block.sparse, len(block))
+    sparse_features = KeyedJaggedTensor.from_lengths_sync(keys=DEFAULT_CAT_NAMES, values=values, lengths=lengths)
     return CriteoBatch(
-        dense_features=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
+        dense_features=torch.from_numpy(np.ascontiguousarray(block.dense, dtype=np.float32)),
         sparse_features=sparse_features,
-        labels=torch.from_numpy(np.ascontiguousarray(labels, dtype=np.float32)),
+        labels=torch.from_numpy(np.ascontiguousarray(block.labels, dtype=np.float32)),
         row_ids=torch.from_numpy(np.ascontiguousarray(row_ids, dtype=np.int64)),
     )
+
+
+def _jagged_ids(sparse: np.ndarray | list[np.ndarray], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """KeyedJaggedTensor values and lengths; values are feature-major: all rows of cat_0, then cat_1, ..."""
+    if isinstance(sparse, np.ndarray):  # one id per row and feature
+        if sparse.shape != (batch_size, len(DEFAULT_CAT_NAMES)):
+            raise ValueError(f"expected sparse ids of shape ({batch_size}, {len(DEFAULT_CAT_NAMES)}), got {sparse.shape}")
+        values = torch.from_numpy(np.ascontiguousarray(sparse.T, dtype=np.int64)).reshape(-1)
+        return values, torch.ones(sparse.size, dtype=torch.int32)
+    if len(sparse) != len(DEFAULT_CAT_NAMES):
+        raise ValueError(f"expected {len(DEFAULT_CAT_NAMES)} multi-hot features, got {len(sparse)}")
+    # Feature j holds m_j ids per row, row after row: its (B, m_j) array flattened in row order.
+    values = torch.from_numpy(np.concatenate([ids.reshape(-1) for ids in sparse]).astype(np.int64, copy=False))
+    per_feature = np.array([ids.shape[1] for ids in sparse], dtype=np.int32)
+    lengths = torch.from_numpy(np.repeat(per_feature, batch_size))
+    return values, lengths

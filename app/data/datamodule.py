@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
-from app.data.dataset import CriteoBatches, EpochBatchSampler
+from app.data.dataset import CriteoBatches
+from app.data.loader import ResumableBatchLoader
 from app.data.tsv import CriteoArrays, expand_paths, read_tsv_files
 from app.model.tables import expand_table_sizes
 
@@ -92,15 +92,7 @@ class CriteoDataModule(LightningDataModule):
         )
 
     def _loader(self, split: str) -> DataLoader:
-        dataset = self.datasets[split]
-        return DataLoader(
-            dataset,
-            batch_size=None,  # the dataset yields whole batches
-            sampler=EpochBatchSampler(len(dataset)),
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
+        return ResumableBatchLoader(self.datasets[split], num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")

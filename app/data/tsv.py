@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from app.data.source import RowBlock
+
 NUM_DENSE = 13
 NUM_SPARSE = 26
 LABELLED_FIELDS = 1 + NUM_DENSE + NUM_SPARSE  # 40
@@ -77,6 +79,14 @@ class CriteoArrays:
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
+
+    @property
+    def in_memory(self) -> bool:
+        return True
+
+    def take(self, rows: np.ndarray) -> RowBlock:
+        """The rows at the given positions (the RowSource interface)."""
+        return RowBlock(self.dense[rows], self.sparse[rows], self.labels[rows])
 
     @staticmethod
     def concat(parts: Sequence["CriteoArrays"]) -> "CriteoArrays":
