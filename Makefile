@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SAMPLE := data/sample/train.tsv
 
-.PHONY: setup run test sample lint clean help
+.PHONY: setup run test sample lint bench-data clean help
 
 help:
 	@echo "make run    - set up .venv and train the demo (2 CPU processes, sharded embeddings)"
@@ -14,6 +14,7 @@ help:
 	@echo "make setup  - only create .venv and install the pinned stack"
 	@echo "make sample - only generate the bundled Criteo-format sample in data/sample/"
 	@echo "make lint   - lint the Dockerfile with hadolint"
+	@echo "make bench-data - data-path throughput against pandas and against training"
 
 setup: $(STAMP)
 
@@ -40,6 +41,9 @@ test: setup lint
 
 lint: setup
 	$(VENV)/bin/hadolint Dockerfile
+
+bench-data: setup
+	$(PY) data/bench_data.py
 
 clean:
 	rm -rf $(VENV) data/sample runs .pytest_cache

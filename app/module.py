@@ -96,6 +96,12 @@ class DLRMModule(LightningModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.numel())
         return loss
 
+    def on_train_epoch_end(self) -> None:
+        # Rows the data module dropped under data.on_bad_rows = skip: visible next to the loss.
+        skipped = getattr(self.trainer.datamodule, "num_bad_rows_skipped", 0)
+        if skipped:
+            self.log("data/bad_rows_skipped", float(skipped), rank_zero_only=True)
+
     def validation_step(self, batch: CriteoBatch, batch_idx: int) -> None:
         self._evaluate(batch, self.val_metrics)
 

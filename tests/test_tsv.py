@@ -5,6 +5,8 @@ kind of malformed input, which must fail loudly with the file name and the right
 from __future__ import annotations
 
 import functools
+import gzip
+import re
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ from app.data.tsv import (
     CriteoArrays,
     CriteoFormatError,
     expand_paths,
+    iter_tsv_chunks,
     parse_tsv_bytes,
     read_tsv,
     read_tsv_files,
@@ -382,8 +385,9 @@ def test_expand_paths(tmp_path):
         (folder / name).write_text("x")
     (folder / "sub.tsv").mkdir()  # a directory named like a data file is not a file
     day0, day1, day2 = folder / "day_0.tsv", folder / "day_1.tsv", folder / "day_2.txt"
-    assert expand_paths(folder) == [day0, day1, day2]
-    assert expand_paths(str(folder)) == [day0, day1, day2]
+    day3 = folder / "day_3.tsv.gz"  # gzip files are data files too
+    assert expand_paths(folder) == [day0, day1, day2, day3]
+    assert expand_paths(str(folder)) == [day0, day1, day2, day3]
     assert expand_paths(day1) == [day1]
     assert expand_paths(str(folder / "day_*.tsv")) == [day0, day1]
     assert expand_paths([day2, str(folder / "day_[01].tsv")]) == [day2, day0, day1]
@@ -408,3 +412,262 @@ def test_expand_paths_names_what_is_missing(spec, message, tmp_path):
 def test_expand_paths_empty_list():
     with pytest.raises(FileNotFoundError, match="empty"):
         expand_paths([])
+
+
+# ----------------------------------------------------------------------------------------------
+# gzip, streaming blocks, skipping bad rows, the dense transform
+# ----------------------------------------------------------------------------------------------
+
+
+def as_expected(arrays: CriteoArrays) -> dict[str, np.ndarray]:
+    return {"dense": arrays.dense, "sparse": arrays.sparse, "labels": arrays.labels}
+
+
+def write_gz(path: Path, data: bytes) -> Path:
+    path.write_bytes(gzip.compress(data))
+    return path
+
+
+def numbered_rows(count: int) -> list[str]:
+    """Good rows that differ from each other (I1 = index), so a dropped or shifted row shows."""
+    return [with_field(GOOD, 1, str(index)) for index in range(count)]
+
+
+@pytest.mark.parametrize("name", sorted(REAL_FILES))
+def test_gzip_reads_like_plain_on_real_rows(name, tmp_path, chunk_bytes):
+    path = real_file(name)
+    original = path.read_bytes()
+    plain = read_tsv(path, SMALL)
+    gz = write_gz(tmp_path / f"{name}.gz", original)
+    assert_matches(read_tsv(gz, SMALL), as_expected(plain))
+    # The gzip magic bytes are recognised whatever the name.
+    unnamed = write_gz(tmp_path / "day_0", original)
+    assert_matches(read_tsv(unnamed, SMALL), as_expected(plain))
+    both = read_tsv_files([gz, path], SMALL)
+    assert_matches(both, as_expected(CriteoArrays.concat([plain, plain])))
+
+
+def test_gzip_with_crlf_stripped_fields_and_no_final_newline(tmp_path):
+    short = "\t".join(GOOD.split("\t")[:38])
+    lines = numbered_rows(20) + [short]
+    expected = read_tsv(write(tmp_path, lines), RAW)
+    gz = write_gz(tmp_path / "crlf.tsv.gz", "\r\n".join(lines).encode())
+    assert_matches(read_tsv(gz, RAW), as_expected(expected))
+    chunks = [chunk for chunk, _ in iter_tsv_chunks(gz, RAW, block_bytes=300)]
+    assert len(chunks) > 5  # the \r\n pairs cross block boundaries somewhere
+    assert_matches(CriteoArrays.concat(chunks), as_expected(expected))
+
+
+def test_truncated_gzip_names_the_file_and_the_last_complete_line(tmp_path):
+    lines = numbered_rows(400)
+    whole = gzip.compress(("\n".join(lines) + "\n").encode())
+    path = tmp_path / "day_0.gz"
+    path.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(CriteoFormatError, match=r"day_0\.gz:\d+: gzip stream is truncated or corrupt"):
+        read_tsv(path, RAW)
+    # Streaming: the rows before the cut come out, then the error names the last complete line.
+    rows_read = 0
+    with pytest.raises(CriteoFormatError) as raised:
+        for chunk, _ in iter_tsv_chunks(path, RAW, block_bytes=1_000):
+            rows_read += len(chunk)
+    assert 0 < rows_read < 400
+    assert str(raised.value).startswith(f"{path}:{rows_read}: gzip stream is truncated or corrupt")
+
+
+def test_corrupt_gzip_and_a_gz_name_that_is_not_gzip(tmp_path):
+    data = bytearray(gzip.compress(("\n".join(numbered_rows(400)) + "\n").encode()))
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)  # zeroed deflate data
+    (tmp_path / "corrupt.gz").write_bytes(bytes(data))
+    with pytest.raises(CriteoFormatError, match=r"corrupt\.gz:\d+: gzip stream is truncated or corrupt"):
+        read_tsv(tmp_path / "corrupt.gz", RAW)
+    plain = write(tmp_path, [GOOD], name="plain.tsv.gz")
+    with pytest.raises(CriteoFormatError, match=r"plain\.tsv\.gz:1: gzip stream is truncated or corrupt"):
+        read_tsv(plain, RAW)
+
+
+@pytest.mark.parametrize("compressed", [b"", gzip.compress(b"")], ids=["zero-bytes", "empty-stream"])
+def test_empty_gzip_file(compressed, tmp_path):
+    path = tmp_path / "day_5.gz"
+    path.write_bytes(compressed)
+    with pytest.raises(CriteoFormatError, match=r"day_5\.gz:1: file is empty"):
+        read_tsv(path, RAW)
+
+
+def test_overlong_line_is_refused_without_reading_it_whole(tmp_path):
+    path = tmp_path / "binary.tsv"
+    path.write_bytes(GOOD.encode() + b"\n" + b"x" * (tsv.MAX_LINE_BYTES + 10))
+    with pytest.raises(CriteoFormatError, match=r"binary\.tsv:2: line is longer than"):
+        read_tsv(path, RAW, on_bad_rows="skip")
+
+
+@pytest.mark.parametrize("block_bytes", [1_000, 100], ids=["1000B-blocks", "blocks-shorter-than-a-line"])
+@pytest.mark.parametrize("compress", [False, True], ids=["plain", "gz"])
+def test_tiny_blocks_give_identical_rows_and_line_numbers(block_bytes, compress, tmp_path, monkeypatch):
+    lines = numbered_rows(300)
+    data = ("\n".join(lines) + "\n").encode()
+    expected = read_tsv(write(tmp_path, lines, name="big-blocks.tsv"), RAW)
+    path = write_gz(tmp_path / "rows.gz", data) if compress else write(tmp_path, lines)
+    monkeypatch.setattr(tsv, "CHUNK_BYTES", block_bytes)
+    assert_matches(read_tsv(path, RAW), as_expected(expected))
+    chunks = [chunk for chunk, _ in iter_tsv_chunks(path, RAW, block_bytes=block_bytes)]
+    assert len(chunks) > 50
+    assert_matches(CriteoArrays.concat(chunks), as_expected(expected))
+    for bad_line in [1, 2, 137, 299, 300]:
+        broken = list(lines)
+        broken[bad_line - 1] = with_field(GOOD, 25, "nothex")
+        text = ("\n".join(broken) + "\n").encode()
+        bad = write_gz(tmp_path / "bad.gz", text) if compress else write(tmp_path, broken, name="bad")
+        pattern = rf"bad(\.gz)?:{bad_line}: field C12 = 'nothex'"
+        with pytest.raises(CriteoFormatError, match=pattern):
+            read_tsv(bad, RAW)
+        with pytest.raises(CriteoFormatError, match=pattern):
+            list(iter_tsv_chunks(bad, RAW, block_bytes=block_bytes))
+
+
+def test_output_grows_when_the_row_estimate_falls_short(tmp_path, monkeypatch):
+    lines = numbered_rows(300)
+    expected = read_tsv(write(tmp_path, lines), RAW)
+    monkeypatch.setattr(tsv, "CHUNK_BYTES", 1_000)
+    monkeypatch.setattr(tsv._Output, "SLACK", 0.05)  # estimates far too low: several regrowths
+    assert_matches(read_tsv(tmp_path / "rows.tsv", RAW), as_expected(expected))
+
+
+# Every kind of malformed row at once, including a non-ASCII byte that the digit check alone
+# would let through (0xb5 = '5' | 0x80).
+SKIPPED = sorted(BAD_ROWS) + ["non-ascii-digit"]
+BAD_ROWS_FOR_SKIP = {case: row for case, (row, _) in BAD_ROWS.items()}
+BAD_ROWS_FOR_SKIP["non-ascii-digit"] = with_field(GOOD, 3, "1\xb52")
+
+
+def file_with_bad_rows(tmp_path: Path, every: int = 3) -> tuple[Path, list[int], list[str]]:
+    """Good numbered rows with every kind of bad row inserted; (path, bad line numbers, good rows)."""
+    good = numbered_rows(len(SKIPPED) * every)
+    lines, bad_lines = [], []
+    for index, row in enumerate(good):
+        if index % every == 1:
+            lines.append(BAD_ROWS_FOR_SKIP[SKIPPED[index // every]])
+            bad_lines.append(len(lines))
+        lines.append(row)
+    return write(tmp_path, lines, name="mixed.tsv"), bad_lines, good
+
+
+@pytest.mark.parametrize("labelled", [True, None], ids=["labelled", "auto-detected"])
+def test_skip_drops_exactly_the_bad_rows(labelled, tmp_path, chunk_bytes):
+    path, bad_lines, good = file_with_bad_rows(tmp_path)
+    expected = read_tsv(write(tmp_path, good, name="good.tsv"), SMALL)
+    arrays = read_tsv(path, SMALL, labelled, on_bad_rows="skip")
+    assert_matches(arrays, as_expected(expected))
+    assert arrays.num_bad_rows == len(SKIPPED) == len(bad_lines)
+    first_case = SKIPPED[0]
+    assert arrays.first_bad_row.startswith(f"{path}:{bad_lines[0]}: ")
+    assert BAD_ROWS[first_case][1] in arrays.first_bad_row
+    with pytest.raises(CriteoFormatError, match=rf"mixed\.tsv:{bad_lines[0]}: "):
+        read_tsv(path, SMALL, labelled)  # "error" is the default
+    clean = read_tsv(write(tmp_path, good, name="good.tsv"), SMALL, on_bad_rows="skip")
+    assert clean.num_bad_rows == 0 and clean.first_bad_row is None
+
+
+def test_skip_in_gzip_across_tiny_blocks_and_in_iter_chunks(tmp_path, monkeypatch):
+    path, bad_lines, good = file_with_bad_rows(tmp_path)
+    expected = read_tsv(write(tmp_path, good, name="good.tsv"), RAW)
+    gz = write_gz(tmp_path / "mixed.tsv.gz", path.read_bytes())
+    monkeypatch.setattr(tsv, "CHUNK_BYTES", 1_000)
+    arrays = read_tsv(gz, RAW, on_bad_rows="skip")
+    assert_matches(arrays, as_expected(expected))
+    assert arrays.num_bad_rows == len(bad_lines)
+    assert arrays.first_bad_row.startswith(f"{gz}:{bad_lines[0]}: ")
+    chunks = list(iter_tsv_chunks(gz, RAW, block_bytes=700, on_bad_rows="skip"))
+    assert sum(count for _, count in chunks) == len(bad_lines)
+    assert all(count == chunk.num_bad_rows for chunk, count in chunks)
+    assert_matches(CriteoArrays.concat([chunk for chunk, _ in chunks]), as_expected(expected))
+
+
+def test_skip_on_real_rows_and_across_files(tmp_path):
+    path = real_file("kaggle_train_4571.tsv")
+    lines = path.read_text("ascii").splitlines()
+    inserted = {0: "empty-line", 999: "non-ascii", 1000: "dense-plus", 3333: "hex-g", 4571: "label-2"}
+    damaged = []  # the real lines, with a bad one before real line (index) in `inserted`
+    for index in range(len(lines) + 1):
+        if index in inserted:
+            damaged.append(BAD_ROWS[inserted[index]][0])
+        damaged.extend(lines[index : index + 1])
+    bad = write(tmp_path, damaged, name="damaged.tsv")
+    arrays = read_tsv(bad, SMALL, on_bad_rows="skip")
+    assert len(arrays) == 4_571 and arrays.num_bad_rows == 5
+    assert_matches(arrays, reference_parse(path.read_text("ascii"), SMALL))
+    assert arrays.first_bad_row.startswith(f"{bad}:1: empty line")
+    both = read_tsv_files([path, bad], SMALL, on_bad_rows="skip")
+    assert len(both) == 2 * 4_571 and both.num_bad_rows == 5 and both.first_bad_row == arrays.first_bad_row
+
+
+def test_skip_an_unlabelled_file_and_a_first_block_of_only_bad_rows(tmp_path, monkeypatch):
+    # An empty line in an unlabelled file would parse as a row of missing values: it is dropped.
+    arrays = read_tsv(write(tmp_path, [UNLABELLED, "", UNLABELLED], name="u.tsv"), RAW, on_bad_rows="skip")
+    assert len(arrays) == 2 and arrays.num_bad_rows == 1 and (arrays.labels == -1).all()
+    # Nothing in the first block can vote on labelled/unlabelled: the next block decides.
+    monkeypatch.setattr(tsv, "CHUNK_BYTES", 100)
+    lines = ["", "\x00" * 150, "\x00"] + [UNLABELLED] * 3
+    arrays = read_tsv(write(tmp_path, lines, name="u2.tsv"), RAW, on_bad_rows="skip")
+    assert len(arrays) == 3 and arrays.num_bad_rows == 3 and (arrays.labels == -1).all()
+    nothing = read_tsv(write(tmp_path, ["", "\x01"], name="none.tsv"), RAW, on_bad_rows="skip")
+    assert len(nothing) == 0 and nothing.num_bad_rows == 2
+
+
+def test_concat_adds_bad_row_counts():
+    parts = [tsv._empty_arrays(0) for _ in range(3)]
+    parts[1].num_bad_rows, parts[1].first_bad_row = 2, "a:3: x"
+    parts[2].num_bad_rows, parts[2].first_bad_row = 1, "b:1: y"
+    joined = CriteoArrays.concat(parts)
+    assert joined.num_bad_rows == 3 and joined.first_bad_row == "a:3: x"
+
+
+@pytest.mark.parametrize("name", sorted(REAL_FILES))
+def test_iter_tsv_chunks_concatenated_equals_read_tsv(name):
+    path = real_file(name)
+    chunks = list(iter_tsv_chunks(path, SMALL, block_bytes=64 * 1024))
+    assert len(chunks) > 10 and all(count == 0 for _, count in chunks)
+    assert_matches(CriteoArrays.concat([chunk for chunk, _ in chunks]), as_expected(read_tsv(path, SMALL)))
+
+
+def test_log_plus_3_values(tmp_path):
+    values = ["-3", "-2", "-1", "0", "", "1", "5", "1000000", "123456789012345678", "7", "0", "2", "3"]
+    row = "\t".join(["1"] + values + IDS)
+    arrays = read_tsv(write(tmp_path, [row]), RAW, dense_transform="log_plus_3")
+    raw = np.array([-2, -2, -1, 0, 0, 1, 5, 1_000_000, 123_456_789_012_345_678, 7, 0, 2, 3], np.float64)
+    np.testing.assert_array_equal(arrays.dense[0], np.log(raw + 3).astype(np.float32))
+    assert arrays.dense[0, 0] == 0.0 and arrays.dense[0, 4] == np.float32(np.log(3.0))  # -3 clamped; missing
+    default = read_tsv(write(tmp_path, [row]), RAW)
+    np.testing.assert_array_equal(default.dense[0], np.log1p(np.maximum(raw, 0)).astype(np.float32))
+    np.testing.assert_array_equal(arrays.sparse, default.sparse)
+
+
+def test_log_plus_3_on_real_rows():
+    path = real_file("kaggle_train_4571.tsv")
+    raw = [[int(v) if v else 0 for v in line.split("\t")[1:14]] for line in path.read_text("ascii").splitlines()]
+    expected = np.log(np.maximum(np.array(raw, np.float64), -2) + 3).astype(np.float32)
+    arrays = read_tsv(path, RAW, dense_transform="log_plus_3")
+    np.testing.assert_array_equal(arrays.dense, expected)
+    assert (np.array(raw) < 0).any()  # the negative values are really exercised
+
+
+@pytest.mark.parametrize("option", [{"on_bad_rows": "ignore"}, {"dense_transform": "log"}])
+def test_unknown_options_are_rejected(option, tmp_path):
+    path = write(tmp_path, [GOOD])
+    with pytest.raises(ValueError, match=next(iter(option))):
+        read_tsv(path, RAW, **option)
+    with pytest.raises(ValueError, match=next(iter(option))):
+        next(iter_tsv_chunks(path, RAW, **option))
+
+
+def test_directories_and_patterns_in_natural_order(tmp_path):
+    folder = tmp_path / "terabyte"
+    folder.mkdir()
+    names = ["day_10.gz", "day_2.gz", "day_1.gz", "day_0.gz", "day_23.gz", "day_3.txt.gz", "day_11.tsv"]
+    for name in names + ["README.md", "day_4.npy"]:
+        (folder / name).write_bytes(b"x")
+    order = ["day_0.gz", "day_1.gz", "day_2.gz", "day_3.txt.gz", "day_10.gz", "day_11.tsv", "day_23.gz"]
+    assert [p.name for p in expand_paths(folder)] == order
+    assert [p.name for p in expand_paths(str(folder / "day_*.gz"))] == [n for n in order if n.endswith(".gz")]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=re.escape("contains no *.tsv or *.txt files")):
+        expand_paths(tmp_path / "empty")

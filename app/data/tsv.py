@@ -1,26 +1,36 @@
-"""Fast, strict reader for raw Criteo TSV click logs (Kaggle ``train.txt``/``test.txt``, Terabyte days).
+"""Fast, strict, streaming reader for raw Criteo TSV click logs (Kaggle ``train.txt``/``test.txt``,
+Terabyte days), plain or gzip-compressed.
 
 Format (see docs/criteo-formats.md, section 1): one sample per line, tab-separated
 ``label, I1..I13, C1..C26`` (40 fields), or ``I1..I13, C1..C26`` (39 fields) for unlabelled files.
 An empty field is a missing value. Files in the wild strip trailing empty fields, so a short row is
 padded with empty fields *on the right* (never aligned from the right-hand end).
 
-Nothing is skipped silently: every malformed line raises :class:`CriteoFormatError` whose message
-starts with ``"<file>:<line>: "`` (1-based), naming the field and value at fault.
+Nothing is misparsed silently. By default (``on_bad_rows="error"``) the first malformed line raises
+:class:`CriteoFormatError` whose message starts with ``"<file>:<line>: "`` (1-based), naming the
+field and value at fault. With ``on_bad_rows="skip"`` malformed lines are dropped instead, counted
+in :attr:`CriteoArrays.num_bad_rows`, and the first one's message kept as an example.
 
-The hot path is vectorised numpy over the whole buffer; there is no per-row Python loop.
-Field values are decoded eight bytes at a time: an unaligned ``uint64`` view of the buffer
-lets one fancy-index gather fetch the (up to) eight bytes ending at every field's end, and
-SWAR ("SIMD within a register") bit arithmetic validates and converts them.
+A file is read as a stream of blocks of whole lines of about :data:`CHUNK_BYTES` (a ``.gz`` file,
+or any file starting with the gzip magic bytes, is decompressed on the fly), so the input is never
+held in memory as a whole. Each block is parsed by vectorised numpy; there is no per-row Python
+loop. Field values are decoded eight bytes at a time: an unaligned ``uint64`` view of the block
+lets one fancy-index gather fetch the (up to) eight bytes ending at every field's end, and SWAR
+("SIMD within a register") bit arithmetic validates and converts them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import gzip
 import os
-from collections.abc import Callable, Sequence
+import re
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, Literal
 
 import numpy as np
 
@@ -34,10 +44,28 @@ UNLABELLED_FIELDS = NUM_DENSE + NUM_SPARSE  # 39
 DENSE_NAMES = tuple(f"I{i}" for i in range(1, NUM_DENSE + 1))
 SPARSE_NAMES = tuple(f"C{i}" for i in range(1, NUM_SPARSE + 1))
 
-# read_tsv parses a file in pieces of whole lines of about this size. The temporary arrays of a
-# piece are several times its size; keeping them in the CPU caches is measurably faster (16 MiB
-# pieces were ~1.5x slower), while much smaller pieces pay numpy's per-call overhead too often.
+OnBadRows = Literal["error", "skip"]
+DenseTransform = Literal["log1p", "log_plus_3"]
+ON_BAD_ROWS: tuple[str, ...] = ("error", "skip")
+DENSE_TRANSFORMS: tuple[str, ...] = ("log1p", "log_plus_3")
+
+# Files are read and parsed in blocks of whole lines of about this size. The temporary arrays of
+# a block are several times its size; keeping them in the CPU caches is measurably faster (16 MiB
+# blocks were ~1.5x slower), while much smaller blocks pay numpy's per-call overhead too often.
 CHUNK_BYTES = 512 * 1024
+
+# A valid row is under 600 bytes (13 dense values of at most 19 characters, 26 ids of at most 8).
+# A "line" this long without a newline means the file is not Criteo text; refusing it keeps the
+# memory of the block reader bounded.
+MAX_LINE_BYTES = 1024 * 1024
+
+# File name endings a data directory is searched for.
+DATA_SUFFIXES = (".tsv", ".txt", ".gz")  # .gz covers .tsv.gz and .txt.gz
+
+_GZIP_MAGIC = b"\x1f\x8b"
+# What a damaged gzip stream raises: truncation (EOFError), bad header/CRC/length (BadGzipFile),
+# corrupt deflate data (zlib.error).
+_GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)
 
 # Longest accepted dense value: 18 digits always fit in int64 (19 may not).
 _MAX_DENSE_DIGITS = 18
@@ -68,14 +96,19 @@ class CriteoFormatError(ValueError):
 class CriteoArrays:
     """Parsed rows, ready for a model.
 
-    dense: float32 (N, 13), ``log1p(max(x, 0))``; missing -> 0.
+    dense: float32 (N, 13), the transformed integer features (``dense_transform``): by default
+        ``log(max(x, 0) + 1)``; missing -> raw value 0 before the transform.
     sparse: int64 (N, 26), the 32-bit hex id modulo ``num_embeddings_per_feature[j]``; missing -> 0.
     labels: float32 (N,), 0/1; -1 for rows of an unlabelled (39-field) file.
+    num_bad_rows: malformed lines dropped by ``on_bad_rows="skip"`` (always 0 with "error").
+    first_bad_row: the error message (``"<file>:<line>: ..."``) of the first dropped line, if any.
     """
 
     dense: np.ndarray
     sparse: np.ndarray
     labels: np.ndarray
+    num_bad_rows: int = 0
+    first_bad_row: str | None = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -90,7 +123,10 @@ class CriteoArrays:
 
     @staticmethod
     def concat(parts: Sequence["CriteoArrays"]) -> "CriteoArrays":
-        """Concatenate row-wise, in the given order (an empty sequence gives zero rows)."""
+        """Concatenate row-wise, in the given order (an empty sequence gives zero rows).
+
+        The bad-row counts add up; the first part's ``first_bad_row`` example is kept.
+        """
         if len(parts) == 1:
             return parts[0]
         if not parts:
@@ -99,6 +135,8 @@ class CriteoArrays:
             dense=np.concatenate([p.dense for p in parts]),
             sparse=np.concatenate([p.sparse for p in parts]),
             labels=np.concatenate([p.labels for p in parts]),
+            num_bad_rows=sum(p.num_bad_rows for p in parts),
+            first_bad_row=next((p.first_bad_row for p in parts if p.first_bad_row), None),
         )
 
 
@@ -120,67 +158,160 @@ def read_tsv(
     path: str | os.PathLike,
     num_embeddings_per_feature: Sequence[int],
     labelled: bool | None = None,
+    *,
+    on_bad_rows: OnBadRows = "error",
+    dense_transform: DenseTransform = "log1p",
 ) -> CriteoArrays:
-    """Read one raw Criteo TSV file.
+    """Read one raw Criteo TSV file, plain or gzip (by a ``.gz`` name or the gzip magic bytes).
 
     ``labelled=None`` auto-detects from the field count: 40 fields -> labelled, 39 -> unlabelled.
-    Because trailing empty fields may be stripped, the widest row of the first chunk decides
+    Because trailing empty fields may be stripped, the widest row of the first block decides
     (a labelled file whose first row lost its empty C26 still has 40-field rows further down).
+
+    The file is streamed in blocks of whole lines and each block parsed straight into the result,
+    so peak memory is about the result plus a few blocks (see :class:`_Output`); use
+    :func:`iter_tsv_chunks` to process files larger than memory.
+
+    ``on_bad_rows``: ``"error"`` (default) raises :class:`CriteoFormatError` at the first malformed
+    line (wrong field count, a dense value that is not an integer, an id that is not hex, a label
+    other than 0/1, control or non-ASCII bytes, an empty line); ``"skip"`` drops such lines, counts
+    them in ``num_bad_rows`` and keeps the first one's message in ``first_bad_row``. A truncated
+    or corrupt gzip stream raises in both modes: how much is lost is unknown.
+
+    ``dense_transform``: how an integer feature x becomes a float (a missing value is x = 0):
+    ``"log1p"`` (default) is ``log(max(x, 0) + 1)``, as facebookresearch/dlrm does;
+    ``"log_plus_3"`` is ``log(x + 3)``, TorchRec's NumPy preprocessing before mid-2025 (x is
+    clamped to >= -2 to stay finite: Kaggle's I2 is documented to reach -3, where TorchRec's
+    formula gives -inf; here -3 gives log(1) = 0, like -2). Both are computed in float64 and
+    rounded once to float32 (TorchRec computed in float32: its values may differ in the last bit).
+    """
+    return read_tsv_files(
+        [path], num_embeddings_per_feature, labelled,
+        on_bad_rows=on_bad_rows, dense_transform=dense_transform,
+    )
+
+
+def iter_tsv_chunks(
+    path: str | os.PathLike,
+    num_embeddings_per_feature: Sequence[int],
+    labelled: bool | None = None,
+    *,
+    block_bytes: int | None = None,
+    on_bad_rows: OnBadRows = "error",
+    dense_transform: DenseTransform = "log1p",
+) -> Iterator[tuple[CriteoArrays, int]]:
+    """Stream one file (plain or gzip) as parsed blocks of whole lines: ``(rows, num_bad_rows)``.
+
+    For preprocessing files larger than memory. Each block holds about ``block_bytes`` (default
+    :data:`CHUNK_BYTES`) of text; the rows are returned in file order, line numbers in errors count
+    from the start of the file, and ``labelled=None`` is decided by the first block (as
+    :func:`read_tsv` does). ``num_bad_rows`` is the number of lines dropped from this block (only
+    with ``on_bad_rows="skip"``; then a block may also hold no rows at all).
+    ``on_bad_rows`` ("error" or "skip") and ``dense_transform`` ("log1p" or "log_plus_3") are as
+    for :func:`read_tsv`.
     """
     path = Path(path)
-    buf = path.read_bytes()  # one read; a streaming reader can feed parse_tsv_bytes instead
-    source = str(path)
-    if not buf:
-        raise CriteoFormatError(f"{source}:1: file is empty (no rows)")
-    # Every line becomes a row (or an error), so the output can be allocated up front and each
-    # chunk written in place, instead of concatenating the parts at the end.
-    chunks = _whole_line_chunks(buf, CHUNK_BYTES)
-    line_feeds = sum(np.count_nonzero(np.frombuffer(chunk, dtype=np.uint8) == _LF) for chunk in chunks)
-    out = _empty_arrays(line_feeds + (not buf.endswith(b"\n")))
-    next_row = 0
-    for chunk in chunks:
+    moduli = _check_arguments(num_embeddings_per_feature, on_bad_rows, dense_transform)
+    block_bytes = CHUNK_BYTES if block_bytes is None else int(block_bytes)
+    if block_bytes < 1:
+        raise ValueError(f"block_bytes must be positive, got {block_bytes}")
+    for block in _line_blocks(path, block_bytes):
         part, labelled = _parse(
-            chunk, next_row + 1, source, num_embeddings_per_feature, labelled, out, next_row
+            block.data, block.first_line, str(path), moduli, labelled, on_bad_rows, dense_transform
         )
-        next_row += len(part)
-    return out
+        yield part, part.num_bad_rows
 
 
 def read_tsv_files(
     paths: Sequence[str | os.PathLike],
     num_embeddings_per_feature: Sequence[int],
     labelled: bool | None = None,
+    *,
+    on_bad_rows: OnBadRows = "error",
+    dense_transform: DenseTransform = "log1p",
 ) -> CriteoArrays:
-    """Read several files and concatenate their rows in the given order.
+    """Read several files (plain or gzip) and concatenate their rows in the given order.
 
     With ``labelled=None`` each file is auto-detected, and mixing labelled with unlabelled
-    files is an error (their labels could not be used together).
+    files is an error (their labels could not be used together). ``num_bad_rows`` is the total
+    over the files and ``first_bad_row`` the first file's example.
+    ``on_bad_rows`` ("error" or "skip") and ``dense_transform`` ("log1p" or "log_plus_3") are as
+    for :func:`read_tsv`.
     """
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    parts: list[CriteoArrays] = []
-    first_kind: tuple[str, bool] | None = None
+    paths = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
+    moduli = _check_arguments(num_embeddings_per_feature, on_bad_rows, dense_transform)
+    out = _Output([p.stat().st_size for p in paths])
+    first_kind: tuple[Path, bool] | None = None
     for path in paths:
-        part = read_tsv(path, num_embeddings_per_feature, labelled)
-        is_labelled = bool(len(part) == 0 or part.labels[0] != -1)
+        first_row = out.num_rows
+        _read_into(out, path, moduli, labelled, on_bad_rows, dense_transform)
+        is_labelled = bool(out.num_rows == first_row or out.arrays.labels[first_row] != -1)
         if first_kind is None:
-            first_kind = (str(path), is_labelled)
+            first_kind = (path, is_labelled)
         elif is_labelled != first_kind[1]:
             kind = {True: "labelled", False: "unlabelled"}
             raise CriteoFormatError(
                 f"{path}:1: file is {kind[is_labelled]} but {first_kind[0]} is "
                 f"{kind[first_kind[1]]}; labelled and unlabelled files cannot be mixed"
             )
-        parts.append(part)
-    return CriteoArrays.concat(parts)
+    return out.result()
+
+
+def parse_tsv_bytes(
+    buf: bytes | bytearray | memoryview,
+    first_line_number: int,
+    source: str,
+    num_embeddings_per_feature: Sequence[int],
+    labelled: bool | None,
+    *,
+    on_bad_rows: OnBadRows = "error",
+    dense_transform: DenseTransform = "log1p",
+) -> CriteoArrays:
+    """Parse whole lines of raw Criteo TSV (the final newline may be missing).
+
+    ``first_line_number`` is the 1-based line number of the first line in ``buf`` and ``source``
+    the file name; both only serve error messages, so a streaming reader can call this per block.
+    ``on_bad_rows`` ("error" or "skip") and ``dense_transform`` ("log1p" or "log_plus_3") are as
+    for :func:`read_tsv`.
+    """
+    moduli = _check_arguments(num_embeddings_per_feature, on_bad_rows, dense_transform)
+    return _parse(buf, first_line_number, source, moduli, labelled, on_bad_rows, dense_transform)[0]
+
+
+def _check_arguments(
+    num_embeddings_per_feature: Sequence[int], on_bad_rows: str, dense_transform: str
+) -> np.ndarray:
+    """Validate the options; return the table sizes as an int64 array."""
+    if on_bad_rows not in ON_BAD_ROWS:
+        raise ValueError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")
+    if dense_transform not in DENSE_TRANSFORMS:
+        raise ValueError(f"dense_transform must be one of {DENSE_TRANSFORMS}, got {dense_transform!r}")
+    return _check_moduli(num_embeddings_per_feature)
+
+
+def _check_moduli(num_embeddings_per_feature: Sequence[int]) -> np.ndarray:
+    moduli = np.asarray(num_embeddings_per_feature, dtype=np.int64)
+    if moduli.shape != (NUM_SPARSE,) or (moduli <= 0).any():
+        raise ValueError(
+            f"num_embeddings_per_feature must be {NUM_SPARSE} positive table sizes, "
+            f"got {list(num_embeddings_per_feature)!r}"
+        )
+    return moduli
+
+
+# ----------------------------------------------------------------------------------------------
+# Path specs
+# ----------------------------------------------------------------------------------------------
 
 
 def expand_paths(spec: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
     """Resolve a data spec into a list of files.
 
-    ``spec`` is a file, a glob pattern, a directory (its ``*.tsv`` and ``*.txt`` files, sorted by
-    name) or a list of those (expanded in order). Raises FileNotFoundError naming the spec when
-    something matches nothing.
+    ``spec`` is a file, a glob pattern, a directory (its ``*.tsv``, ``*.txt`` and ``*.gz`` files,
+    e.g. ``day_0.gz`` or ``train.txt.gz``) or a list of those (expanded in order). The files of a
+    directory or a pattern come in natural order, so ``day_2`` precedes ``day_10`` (the Terabyte
+    days are in time order). Raises FileNotFoundError naming the spec when something matches
+    nothing.
     """
     items = [spec] if isinstance(spec, (str, os.PathLike)) else list(spec)
     if not items:
@@ -195,49 +326,182 @@ def _expand_one(item: str | os.PathLike) -> list[Path]:
     text = os.path.expanduser(os.fspath(item))
     path = Path(text)
     if path.is_dir():
-        found = sorted(p for p in path.iterdir() if p.suffix in (".tsv", ".txt") and p.is_file())
+        found = [p for p in path.iterdir() if p.name.endswith(DATA_SUFFIXES) and p.is_file()]
         if not found:
-            raise FileNotFoundError(f"data directory {text!r} contains no *.tsv or *.txt files")
-        return found
+            raise FileNotFoundError(
+                f"data directory {text!r} contains no *.tsv or *.txt files (plain or .gz)"
+            )
+        return sorted(found, key=_natural_key)
     if path.is_file():
         return [path]
     if glob.has_magic(text):
-        found = sorted(Path(p) for p in glob.glob(text, recursive=True) if os.path.isfile(p))
+        found = [Path(p) for p in glob.glob(text, recursive=True) if os.path.isfile(p)]
         if not found:
             raise FileNotFoundError(f"no data files match the pattern {text!r}")
-        return found
+        return sorted(found, key=_natural_key)
     raise FileNotFoundError(f"data file or directory {text!r} does not exist")
 
 
-def parse_tsv_bytes(
-    buf: bytes | bytearray | memoryview,
-    first_line_number: int,
-    source: str,
-    num_embeddings_per_feature: Sequence[int],
-    labelled: bool | None,
-) -> CriteoArrays:
-    """Parse whole lines of raw Criteo TSV (the final newline may be missing).
+def _natural_key(path: Path) -> tuple[list[str | int], str]:
+    """Sort key comparing digit runs as numbers: ``day_2`` < ``day_10``.
 
-    ``first_line_number`` is the 1-based line number of the first line in ``buf`` and ``source``
-    the file name; both only serve error messages, so a streaming reader can call this per chunk.
+    Splitting on a captured digit group alternates text and digits from the first element on, so
+    two keys always compare str with str and int with int. The full text breaks ties (``01``/``1``).
     """
-    return _parse(buf, first_line_number, source, num_embeddings_per_feature, labelled)[0]
+    text = str(path)
+    pieces = re.split(r"(\d+)", text)
+    return [int(piece) if i % 2 else piece for i, piece in enumerate(pieces)], text
 
 
-def _whole_line_chunks(buf: bytes, chunk_bytes: int) -> list[memoryview]:
-    """Split ``buf`` into zero-copy views of about ``chunk_bytes``, each ending after a newline."""
-    view = memoryview(buf)
-    chunks = []
-    start = 0
-    while start < len(buf):
-        end = buf.rfind(b"\n", start, start + chunk_bytes) + 1
-        if end <= start:  # a line longer than chunk_bytes: take it whole
-            end = buf.find(b"\n", start + chunk_bytes) + 1 or len(buf)
-        if len(buf) - end < chunk_bytes // 8:  # don't leave a tiny tail chunk
-            end = len(buf)
-        chunks.append(view[start:end])
-        start = end
-    return chunks
+# ----------------------------------------------------------------------------------------------
+# Streaming whole-line blocks
+# ----------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _open_text_stream(path: Path) -> Iterator[tuple[BinaryIO, BinaryIO]]:
+    """(text stream, file on disk). A ``.gz`` name or gzip's magic bytes, whatever the name, mean
+    gzip, decompressed incrementally as the stream is read (a ``.gz`` that is not gzip fails
+    loudly rather than being parsed as text)."""
+    with open(path, "rb") as raw:
+        # peek, not read and seek back: a pipe cannot seek.
+        if path.name.endswith(".gz") or raw.peek(2)[:2] == _GZIP_MAGIC:
+            with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
+                yield stream, raw
+        else:
+            yield raw, raw
+
+
+@dataclass
+class _Block:
+    """Whole lines of a file."""
+
+    first_line: int  # 1-based number of the first line
+    data: bytes  # the lines, each with its newline (but the file's last line may lack it)
+    num_lines: int
+    fraction_read: float  # how far into the file on disk (compressed, for gzip) reading has got
+
+
+def _line_blocks(path: Path, block_bytes: int) -> Iterator[_Block]:
+    """The file's lines in blocks of about ``block_bytes``. Memory: a block and a partial line.
+
+    Raises CriteoFormatError for an empty file, a damaged gzip stream or an overlong line.
+    """
+    source = str(path)
+    lines_done = 0  # complete lines handed out so far
+    pending: list[bytes] = []  # the start of a line whose newline has not been read yet
+    pending_bytes = 0
+    with _open_text_stream(path) as (stream, raw):
+        size = os.fstat(raw.fileno()).st_size  # 0 for a pipe
+        while data := _read_block(stream, block_bytes, source, lines_done):
+            cut = data.rfind(b"\n") + 1
+            if cut == 0:  # still inside one line (blocks smaller than a line, or no newlines)
+                pending.append(data)
+                pending_bytes += len(data)
+                if pending_bytes > MAX_LINE_BYTES:
+                    raise CriteoFormatError(
+                        f"{source}:{lines_done + 1}: line is longer than {MAX_LINE_BYTES} bytes "
+                        "(a Criteo row is under 600): not Criteo TSV text"
+                    )
+                continue
+            block = b"".join([*pending, memoryview(data)[:cut]])
+            num_lines = _count_newlines(block)
+            fraction_read = min(raw.tell() / size, 1.0) if size else 1.0
+            yield _Block(lines_done + 1, block, num_lines, fraction_read)
+            lines_done += num_lines
+            pending, pending_bytes = [data[cut:]], len(data) - cut
+    if pending_bytes:
+        yield _Block(lines_done + 1, b"".join(pending), 1, 1.0)
+    elif lines_done == 0:
+        raise CriteoFormatError(f"{source}:1: file is empty (no rows)")
+
+
+def _count_newlines(data: bytes) -> int:
+    # numpy's vectorised compare-and-count is about 3x faster than bytes.count here.
+    return int(np.count_nonzero(np.frombuffer(data, dtype=np.uint8) == _LF))
+
+
+def _read_block(stream: BinaryIO, size: int, source: str, lines_done: int) -> bytes:
+    """Up to ``size`` bytes; a damaged gzip stream becomes a CriteoFormatError naming the file."""
+    try:
+        return stream.read(size)
+    except _GZIP_ERRORS as exc:
+        raise CriteoFormatError(
+            f"{source}:{max(lines_done, 1)}: gzip stream is truncated or corrupt after "
+            f"{lines_done} complete lines ({exc})"
+        ) from exc
+
+
+def _read_into(
+    out: _Output,
+    path: Path,
+    moduli: np.ndarray,
+    labelled: bool | None,
+    on_bad_rows: str,
+    dense_transform: str,
+) -> None:
+    """Parse one file's rows into ``out``, block by block (``labelled=None``: detect per file)."""
+    for block in _line_blocks(path, CHUNK_BYTES):
+        out.reserve(block.num_lines, block.fraction_read)
+        part, labelled = _parse(
+            block.data, block.first_line, str(path), moduli, labelled,
+            on_bad_rows, dense_transform, out.arrays, out.num_rows,
+        )
+        out.append(part)
+    out.files_done += 1
+
+
+class _Output:
+    """Rows parsed in place into arrays sized from an estimate of the final row count.
+
+    Concatenating parsed blocks would briefly hold the result twice. Instead the row count is
+    extrapolated from how far into the files the reader is (on disk, so compressed bytes for
+    gzip) and the arrays allocated once, generously: pages of a large ``np.empty`` that are never
+    written cost no memory (the OS maps them on first write), so the slack is free. If the
+    estimate still falls short, the arrays grow by a copy (re-estimated, so rarely twice).
+    """
+
+    SLACK = 1.25  # rows per byte vary along a file (missing values); gzip positions run ahead
+
+    def __init__(self, file_sizes: Sequence[int]) -> None:
+        self.file_sizes = list(file_sizes)  # on disk; 0 for a pipe, whose size is unknown
+        self.files_done = 0
+        self.arrays = _empty_arrays(0)
+        self.num_rows = 0
+        self.num_bad_rows = 0
+        self.first_bad_row: str | None = None
+
+    def reserve(self, num_rows: int, fraction_of_file: float) -> None:
+        """Make room for ``num_rows`` more rows, ``fraction_of_file`` (0..1] of the current file
+        (the ``files_done``-th) having been read."""
+        needed = self.num_rows + num_rows
+        capacity = len(self.arrays)
+        if needed <= capacity:
+            return
+        done = sum(self.file_sizes[: self.files_done])
+        done += fraction_of_file * self.file_sizes[self.files_done]
+        fraction = done / sum(self.file_sizes) if done else 1.0
+        estimate = int(needed / fraction * self.SLACK)
+        grown = _empty_arrays(max(needed, estimate, capacity + capacity // 4))
+        for new, old in zip(_columns(grown), _columns(self.arrays)):
+            new[: self.num_rows] = old[: self.num_rows]
+        self.arrays = grown
+
+    def append(self, part: CriteoArrays) -> None:
+        """Account for rows just parsed into ``arrays[num_rows:]``."""
+        self.num_rows += len(part)
+        self.num_bad_rows += part.num_bad_rows
+        self.first_bad_row = self.first_bad_row or part.first_bad_row
+
+    def result(self) -> CriteoArrays:
+        """Views of the rows (the unused, never-written tail stays unmapped)."""
+        rows = slice(0, self.num_rows)
+        dense, sparse, labels = (column[rows] for column in _columns(self.arrays))
+        return CriteoArrays(dense, sparse, labels, self.num_bad_rows, self.first_bad_row)
+
+
+def _columns(arrays: CriteoArrays) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return arrays.dense, arrays.sparse, arrays.labels
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,73 +542,130 @@ class _Context:
         return repr(raw.decode("ascii", errors="backslashreplace"))
 
 
+# Ranks of the kinds of problem on one line: the lowest is reported. Structural problems come
+# before field values (whose rank is the field's position), as the line cannot be split reliably.
+_RANK_BYTES_OR_EMPTY, _RANK_TOO_MANY = -2, -1
+
+
+class _BadRows:
+    """The malformed lines of a block: a row mask and the first problem (row, rank, message)."""
+
+    def __init__(self) -> None:
+        self.mask: np.ndarray | None = None  # bool (N,); None until a problem is found
+        self.first: tuple[int, int, str] | None = None
+
+    def add(self, bad: np.ndarray, rank: int, message: Callable[[int, int], str]) -> None:
+        """Flag the rows where ``bad`` ((N,) or (N, columns) bool) is set; ``message(row, column)``
+        describes a problem and is called for the first one only."""
+        if not bad.any():  # the usual case: one fast flat scan
+            return
+        per_row = bad if bad.ndim == 1 else bad.any(axis=1)
+        row = int(np.argmax(per_row))
+        column = int(np.argmax(bad[row])) if bad.ndim == 2 else 0
+        if self.first is None or (row, rank + column) < self.first[:2]:
+            self.first = (row, rank + column, message(row, column))
+        self.mask = per_row.copy() if self.mask is None else self.mask | per_row
+
+
 def _parse(
     buf: bytes | bytearray | memoryview,
     first_line_number: int,
     source: str,
-    num_embeddings_per_feature: Sequence[int],
+    moduli: np.ndarray,
     labelled: bool | None,
+    on_bad_rows: str = "error",
+    dense_transform: str = "log1p",
     out: CriteoArrays | None = None,
     out_row: int = 0,
-) -> tuple[CriteoArrays, bool]:
-    """Parse ``buf``; also return whether it was read as labelled (the auto-detection result).
+) -> tuple[CriteoArrays, bool | None]:
+    """Parse ``buf``; also return whether it was read as labelled (the auto-detection result,
+    still None when ``labelled`` was None and every line was dropped as malformed).
 
     With ``out``, the rows are written to ``out[out_row:]`` and views of them are returned.
     """
-    moduli = _check_moduli(num_embeddings_per_feature)
     if len(buf) == 0:
         raise CriteoFormatError(f"{source}:{first_line_number}: empty input (no rows)")
     lines = _split_lines(buf)
-    ctx = _Context(source, first_line_number, lines)
-    structural = _first_structural_problem(lines)  # (row, message) or None
-    labelled, ctx.detection_note = _detect_labelled(lines, labelled, ctx, structural)
-    num_fields = LABELLED_FIELDS if labelled else UNLABELLED_FIELDS
-    too_many = np.flatnonzero(lines.field_counts > num_fields)
-    if too_many.size and (structural is None or too_many[0] < structural[0]):
-        row = int(too_many[0])
-        structural = (row, _too_many_message(int(lines.field_counts[row]), labelled))
-    if structural is not None:
-        row, message = structural
-        if row > 0:  # an earlier line may hold a value error: report the first bad line
-            prefix_end = int(lines.line_starts[row]) - _PAD_FRONT
-            _parse(buf[:prefix_end], first_line_number, source, moduli, labelled)
-        raise ctx.error(row, message)
-
     num_rows = lines.field_counts.size
+    ctx = _Context(source, first_line_number, lines)
+    bad_rows = _BadRows()
+    _find_structural_problems(lines, bad_rows)
+    skip = on_bad_rows == "skip"
+    labelled, ctx.detection_note = _detect_labelled(lines, labelled, ctx, bad_rows, skip)
+    if labelled is None:  # skipping, and no line was usable: nothing to parse
+        return _all_bad(ctx, bad_rows, num_rows), None
+    num_fields = LABELLED_FIELDS if labelled else UNLABELLED_FIELDS
+    bad_rows.add(
+        lines.field_counts > num_fields,
+        _RANK_TOO_MANY,
+        lambda r, _: _too_many_message(int(lines.field_counts[r]), labelled),
+    )
     if out is None:
         out, out_row = _empty_arrays(num_rows), 0
     rows = slice(out_row, out_row + num_rows)
     result = CriteoArrays(out.dense[rows], out.sparse[rows], out.labels[rows])
+    _parse_fields(lines, num_fields, moduli, dense_transform, ctx, bad_rows, result)
+    if bad_rows.first is None:
+        return result, labelled
+    row, _, message = bad_rows.first
+    if not skip:
+        raise ctx.error(row, message)
+    return _drop_rows(result, bad_rows.mask, str(ctx.error(row, message))), labelled
+
+
+def _parse_fields(
+    lines: _Lines,
+    num_fields: int,
+    moduli: np.ndarray,
+    dense_transform: str,
+    ctx: _Context,
+    bad_rows: _BadRows,
+    result: CriteoArrays,
+) -> None:
+    """Decode every line's fields into ``result`` (values of malformed lines are garbage and
+    flagged in ``bad_rows``)."""
     starts, ends = _field_bounds(lines, num_fields)  # (N, F): row-major keeps gathers sequential
-    errors: list[tuple[int, int, str]] = []  # the first (row, field, message) of each kind
     first_dense = num_fields - UNLABELLED_FIELDS
     first_sparse = num_fields - NUM_SPARSE
-    if labelled:
-        result.labels[:] = _parse_labels(lines, starts[:, 0], ends[:, 0], ctx, errors)
+    if first_dense:
+        result.labels[:] = _parse_labels(lines, starts[:, 0], ends[:, 0], ctx, bad_rows)
     else:
         result.labels[:] = -1.0
     dense_fields = slice(first_dense, first_sparse)
     result.dense[:] = _parse_dense(
-        lines, starts[:, dense_fields], ends[:, dense_fields], first_dense, ctx, errors
+        lines, starts[:, dense_fields], ends[:, dense_fields], first_dense, dense_transform, ctx, bad_rows
     )
     sparse_fields = slice(first_sparse, num_fields)
     result.sparse[:] = _parse_sparse(
-        lines, starts[:, sparse_fields], ends[:, sparse_fields], first_sparse, moduli, ctx, errors
+        lines, starts[:, sparse_fields], ends[:, sparse_fields], first_sparse, moduli, ctx, bad_rows
     )
-    if errors:
-        row, _, message = min(errors)
-        raise ctx.error(row, message)
-    return result, labelled
 
 
-def _check_moduli(num_embeddings_per_feature: Sequence[int]) -> np.ndarray:
-    moduli = np.asarray(num_embeddings_per_feature, dtype=np.int64)
-    if moduli.shape != (NUM_SPARSE,) or (moduli <= 0).any():
-        raise ValueError(
-            f"num_embeddings_per_feature must be {NUM_SPARSE} positive table sizes, "
-            f"got {list(num_embeddings_per_feature)!r}"
-        )
-    return moduli
+def _drop_rows(result: CriteoArrays, bad: np.ndarray, first_bad_row: str) -> CriteoArrays:
+    """Move the good rows to the front of ``result`` (in place: it may be a view of the output)
+    and return views of them, with the count and example of the dropped ones."""
+    keep = ~bad
+    num_good = int(np.count_nonzero(keep))
+    # The right-hand side is a fancy-indexed copy, so overlapping the destination is safe.
+    result.dense[:num_good] = result.dense[keep]
+    result.sparse[:num_good] = result.sparse[keep]
+    result.labels[:num_good] = result.labels[keep]
+    return CriteoArrays(
+        result.dense[:num_good],
+        result.sparse[:num_good],
+        result.labels[:num_good],
+        num_bad_rows=int(bad.size - num_good),
+        first_bad_row=first_bad_row,
+    )
+
+
+def _all_bad(ctx: _Context, bad_rows: _BadRows, num_rows: int) -> CriteoArrays:
+    """No rows: every one of the ``num_rows`` lines was malformed and is dropped."""
+    assert bad_rows.first is not None
+    row, _, message = bad_rows.first
+    empty = _empty_arrays(0)
+    empty.num_bad_rows, empty.first_bad_row = num_rows, str(ctx.error(row, message))
+    return empty
 
 
 def _split_lines(buf: bytes | bytearray | memoryview) -> _Lines:
@@ -371,58 +692,74 @@ def _split_lines(buf: bytes | bytearray | memoryview) -> _Lines:
     return _Lines(data, words, seps, newline_seps, field_counts, line_starts, line_ends, has_cr)
 
 
-def _first_structural_problem(lines: _Lines) -> tuple[int, str] | None:
-    """The first line that is not text, has a stray '\\r', or is empty: (row, message)."""
+def _find_structural_problems(lines: _Lines, bad_rows: _BadRows) -> None:
+    """Flag the lines that are not text, have a stray '\\r', or are empty."""
     body = lines.data[_PAD_FRONT:]
     # uint8 wrap-around: (b - 32) > 94 holds for control bytes, DEL and non-ASCII bytes.
     not_printable = np.count_nonzero((body - np.uint8(32)) > 94)
-    problems: list[tuple[int, str]] = []
-    if not_printable != lines.seps.size + np.count_nonzero(lines.has_cr):
-        problems.append(_first_bad_byte(lines))
-    empty = np.flatnonzero(lines.line_ends == lines.line_starts)
-    if empty.size:
-        problems.append((int(empty[0]), "empty line (blank lines are not allowed)"))
-    return min(problems) if problems else None
+    if not_printable != lines.seps.size + np.count_nonzero(lines.has_cr):  # rare: find them
+        positions = _bad_byte_positions(lines)
+        line_feeds = lines.line_ends + lines.has_cr
+        bad = np.zeros(line_feeds.size, dtype=bool)
+        bad[np.searchsorted(line_feeds, positions)] = True
+        bad_rows.add(bad, _RANK_BYTES_OR_EMPTY, lambda r, _: _bad_byte_message(lines, r, positions[0]))
+    bad_rows.add(
+        lines.line_ends == lines.line_starts,
+        _RANK_BYTES_OR_EMPTY,
+        lambda r, _: "empty line (blank lines are not allowed)",
+    )
 
 
-def _first_bad_byte(lines: _Lines) -> tuple[int, str]:
-    """Locate the first byte that is not printable ASCII, tab, or the '\\r' of a '\\r\\n'."""
+def _bad_byte_positions(lines: _Lines) -> np.ndarray:
+    """Offsets of the bytes that are not printable ASCII, tab, or the '\\r' of a '\\r\\n'."""
     data = lines.data
     bad = (data - np.uint8(32)) > 94
-    bad[: _PAD_FRONT] = False
+    bad[:_PAD_FRONT] = False
     bad[lines.seps] = False
     bad[lines.line_ends[lines.has_cr]] = False
-    pos = int(np.flatnonzero(bad)[0])
-    row = int(np.searchsorted(lines.seps[lines.newline_seps], pos))
+    return np.flatnonzero(bad)
+
+
+def _bad_byte_message(lines: _Lines, row: int, pos: int) -> str:
+    """Describe the bad byte at offset ``pos`` of line ``row``."""
     column = pos - int(lines.line_starts[row]) + 1
-    byte = int(data[pos])
+    byte = int(lines.data[pos])
     if byte == _CR:
         what = "a carriage return (\\r) that does not end the line"
     elif byte < 32 or byte == 127:
         what = f"control byte 0x{byte:02x}"
     else:
         what = f"non-ASCII byte 0x{byte:02x}"
-    return row, f"{what} at column {column} (not text: Criteo rows are printable ASCII)"
+    return f"{what} at column {column} (not text: Criteo rows are printable ASCII)"
 
 
 def _detect_labelled(
-    lines: _Lines, labelled: bool | None, ctx: _Context, structural: tuple[int, str] | None
-) -> tuple[bool, str]:
-    """Resolve ``labelled=None`` from the widest row; return (labelled, note for errors)."""
+    lines: _Lines, labelled: bool | None, ctx: _Context, bad_rows: _BadRows, skip: bool
+) -> tuple[bool | None, str]:
+    """Resolve ``labelled=None`` from the widest row; return (labelled, note for errors).
+
+    When skipping, lines already known to be malformed (not text, empty) do not vote, and if no
+    line is left the answer stays None (the next block decides).
+    """
     if labelled is not None:
         return bool(labelled), ""
-    widest_row = int(np.argmax(lines.field_counts))
-    widest = int(lines.field_counts[widest_row])
+    counts = lines.field_counts
+    if skip and bad_rows.mask is not None:
+        counts = np.where(bad_rows.mask, 0, counts)
+        if not counts.any():
+            return None, ""
+    widest_row = int(np.argmax(counts))
+    widest = int(counts[widest_row])
     if widest >= UNLABELLED_FIELDS:
         is_labelled = widest >= LABELLED_FIELDS
         note = ""
-        if int(lines.field_counts[0]) != widest:
+        if int(counts[0]) != widest:
             line = ctx.first_line_number + widest_row
             kind = "labelled" if is_labelled else "unlabelled"
             note = f" (read as {kind} because line {line} has {widest} fields)"
         return is_labelled, note
-    if structural is not None:
-        raise ctx.error(*structural)
+    if bad_rows.first is not None and not skip:
+        raise ctx.error(bad_rows.first[0], bad_rows.first[2])
     raise ctx.error(
         0,
         f"cannot tell whether the rows are labelled: the widest row has {widest} fields "
@@ -438,20 +775,25 @@ def _too_many_message(count: int, labelled: bool) -> str:
 
 
 def _field_bounds(lines: _Lines, num_fields: int) -> tuple[np.ndarray, np.ndarray]:
-    """Start and end offsets of every field, shape (N, num_fields); absent fields are empty."""
+    """Start and end offsets of every field, shape (N, num_fields); absent fields are empty and
+    fields beyond ``num_fields`` (of a line with too many, flagged elsewhere) are left out."""
     ends = lines.seps.copy()
     ends[lines.newline_seps] = lines.line_ends  # the last field stops before any '\r'
     starts = np.empty_like(ends)
     starts[0] = _PAD_FRONT
     starts[1:] = lines.seps[:-1] + 1
     num_rows = lines.field_counts.size
-    if ends.size == num_rows * num_fields:  # no short rows (none are too long): a plain reshape
+    too_many = int(lines.field_counts.max()) > num_fields
+    if ends.size == num_rows * num_fields and not too_many:  # every row complete: a plain reshape
         return starts.reshape(num_rows, num_fields), ends.reshape(num_rows, num_fields)
     # Short rows: scatter the fields into an (N, F) grid pre-filled with empty fields that sit at
     # the line end, i.e. pad on the right.
     rows = np.repeat(np.arange(num_rows), lines.field_counts)
     first_field = np.repeat(lines.newline_seps - lines.field_counts + 1, lines.field_counts)
     columns = np.arange(ends.size) - first_field
+    if too_many:
+        kept = columns < num_fields
+        rows, columns, starts, ends = rows[kept], columns[kept], starts[kept], ends[kept]
     grid_starts = np.repeat(lines.line_ends[:, None], num_fields, axis=1)
     grid_ends = grid_starts.copy()
     grid_starts[rows, columns] = starts
@@ -459,28 +801,16 @@ def _field_bounds(lines: _Lines, num_fields: int) -> tuple[np.ndarray, np.ndarra
     return grid_starts, grid_ends
 
 
-def _note_first_error(
-    bad: np.ndarray, first_field: int, message: Callable[[int, int], str], errors: list
-) -> None:
-    """Record the first bad (row, column) of a block of fields as (row, field, message)."""
-    if not bad.any():  # the usual case: one fast flat scan
-        return
-    first = int(np.argmax(bad.ravel()))  # row-major, so the first bad row's first bad column
-    row, column = divmod(first, bad.shape[1]) if bad.ndim == 2 else (first, 0)
-    errors.append((row, first_field + column, message(row, column)))
-
-
 def _parse_labels(
-    lines: _Lines, starts: np.ndarray, ends: np.ndarray, ctx: _Context, errors: list
+    lines: _Lines, starts: np.ndarray, ends: np.ndarray, ctx: _Context, bad_rows: _BadRows
 ) -> np.ndarray:
     """The label column: exactly '0' or '1', as float32."""
     first = lines.data[starts]
     ok = (ends - starts == 1) & ((first == ord("0")) | (first == ord("1")))
-    _note_first_error(
+    bad_rows.add(
         ~ok,
         0,
         lambda r, _: f"label = {ctx.field_text(starts[r], ends[r])} is not 0 or 1{ctx.detection_note}",
-        errors,
     )
     return (first - ord("0")).astype(np.float32) * ok
 
@@ -503,9 +833,11 @@ def _has_bad_byte(
     """Per word: whether a non-zero byte (zeros are padding) lies outside [low, high], and, with
     ``also_lowercase=(lo2, hi2)``, also outside [lo2, hi2] once lowercased.
 
-    Bytes must be < 0x80 (guaranteed: non-ASCII input is rejected first). Per lane, ``(b | 0x80)
-    - t`` keeps its high bit exactly when b >= t, and setting the high bit first means the
-    subtraction never borrows from the neighbouring lane.
+    Per lane, ``(b | 0x80) - t`` keeps its high bit exactly when b >= t, and setting the high bit
+    first means the subtraction never borrows from the neighbouring lane. That is only a valid
+    test for bytes < 0x80: a non-ASCII byte may pass for a digit, but its line has already been
+    flagged as malformed (see _find_structural_problems), and lanes never mix, so other fields
+    are unaffected.
     """
     high_set = words | _HIGH
     ok = (high_set - _LSB * np.uint64(low)) & ~(high_set - _LSB * np.uint64(high + 1))
@@ -543,10 +875,11 @@ def _parse_dense(
     starts: np.ndarray,
     ends: np.ndarray,
     first_field: int,
+    dense_transform: str,
     ctx: _Context,
-    errors: list,
+    bad_rows: _BadRows,
 ) -> np.ndarray:
-    """Decode the (N, 13) integer fields and return ``log1p(max(x, 0))`` as float32."""
+    """Decode the (N, 13) integer fields and return them transformed (see read_tsv), float32."""
     negative = lines.data[starts] == _MINUS  # an empty field starts on a separator, never '-'
     num_digits = ends - starts - negative
     bad = (negative & (num_digits == 0)) | (num_digits > _MAX_DENSE_DIGITS)
@@ -556,17 +889,20 @@ def _parse_dense(
         window = _window(lines, ends - 8 * k, np.clip(num_digits - 8 * k, 0, 8))
         bad |= _has_bad_byte(window, ord("0"), ord("9"))
         value += _decimal8(window) * np.uint64(10 ** (8 * k))
-    _note_first_error(
+    bad_rows.add(
         bad,
         first_field,
         lambda r, j: f"field {DENSE_NAMES[j]} = {ctx.field_text(starts[r, j], ends[r, j])} "
         f"is not an integer (at most {_MAX_DENSE_DIGITS} digits)",
-        errors,
     )
-    # Negative values only matter through max(x, 0). float64 first: float32 cannot hold large
-    # counts exactly, and the log of the exact count rounds once.
-    value[negative] = 0
-    return np.log1p(value.astype(np.float64)).astype(np.float32)
+    # float64 first: float32 cannot hold large counts exactly, and the log of the exact count
+    # rounds once.
+    if dense_transform == "log1p":
+        value[negative] = 0  # negative values only matter through max(x, 0)
+        return np.log1p(value.astype(np.float64)).astype(np.float32)
+    signed = value.astype(np.float64)
+    np.negative(signed, out=signed, where=negative)
+    return np.log(np.maximum(signed, -2.0) + 3.0).astype(np.float32)
 
 
 def _parse_sparse(
@@ -576,17 +912,16 @@ def _parse_sparse(
     first_field: int,
     moduli: np.ndarray,
     ctx: _Context,
-    errors: list,
+    bad_rows: _BadRows,
 ) -> np.ndarray:
     """Decode the (N, 26) hex id fields, each modulo its table size, as int64."""
     length = ends - starts
     window = _window(lines, ends, np.minimum(length, _MAX_HEX_DIGITS))
     bad = (length > _MAX_HEX_DIGITS) | _has_bad_byte(window, ord("0"), ord("9"), (ord("a"), ord("f")))
-    _note_first_error(
+    bad_rows.add(
         bad,
         first_field,
         lambda r, j: f"field {SPARSE_NAMES[j]} = {ctx.field_text(starts[r, j], ends[r, j])} "
         f"is not a hex id (1 to {_MAX_HEX_DIGITS} hex digits)",
-        errors,
     )
     return (_hex8(window) % moduli.astype(np.uint64)).astype(np.int64)
