@@ -63,7 +63,7 @@ def test_format_is_detected_from_the_folder(tmp_path):
         ({"split": "kaggle"}, "data.split = kaggle needs data.root"),
         ({"split": "kaggle", "root": "x", "train": "y"}, "data.split replaces data.train/val/test"),
         ({"split": "terabyte", "root": "no/such/folder"}, "data.root: no/such/folder does not exist"),
-        ({"train": "no/such/*.tsv"}, "data.train: "),
+        ({"train": "no/such/*.tsv"}, "data.train: no data files match the pattern 'no/such/*.tsv'"),
         ({"train": "no/such/dir", "format": "numpy"}, "data.train: no/such/dir: data directory does not exist"),
     ],
 )

@@ -123,6 +123,16 @@ def test_a_malformed_row_stops_every_rank_with_file_and_line(tmp_path, sample_di
     assert f"{bad}:42:" in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
 
+    skipping = run_app(
+        "fit", *common_args(tmp_path, sample_dir), "--data.train", str(bad), "--data.on_bad_rows", "skip",
+        "--trainer.max_epochs", "1", "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+        "--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.name", "logs",
+    )  # fmt: skip
+    assert skipping.returncode == 0, skipping.stderr[-3000:]
+    assert f"data.train: skipped 1 malformed rows (data.on_bad_rows = skip); first: {bad}:42:" in skipping.stderr
+    (logged,) = [row["data/bad_rows_skipped"] for row in _metrics(tmp_path) if row.get("data/bad_rows_skipped")]
+    assert float(logged) == 1.0
+
 
 def test_adam_on_cpu_tables_is_refused_at_set_up_without_hanging(tmp_path, sample_dir):
     result = run_app(
