@@ -81,14 +81,22 @@ def training_batches_per_second(batch_size: int, table_sizes: list[int], num_ste
     from app.data.source import RowBlock
     from app.module import DLRMModule
     from app.optimizers import StepOnceCombinedOptimizer
+    from app.sharding import default_sharders, plan_sharding
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("BENCH_PORT", "29533"))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("BENCH_PORT", "29533"), LOCAL_WORLD_SIZE="1")
     dist.init_process_group("gloo", rank=0, world_size=1)
     module = DLRMModule(
         embedding_dim=16, num_embeddings_per_feature=table_sizes, dense_arch_layer_sizes=[64, 16],
         over_arch_layer_sizes=[64, 32, 1],
     )  # fmt: skip
-    model = DistributedModelParallel(module, env=ShardingEnv.from_process_group(dist.group.WORLD))
+    cpu, sharders = torch.device("cpu"), default_sharders()
+    plan = plan_sharding(
+        module, world_size=1, local_world_size=1, device=cpu, sharders=sharders, constraints={},
+        hbm_cap_bytes=None, ddr_cap_bytes=None, batch_size_per_rank=batch_size, process_group=dist.group.WORLD,
+    )  # fmt: skip
+    model = DistributedModelParallel(
+        module, env=ShardingEnv.from_process_group(dist.group.WORLD), device=cpu, plan=plan, sharders=sharders
+    )
     optimizer = StepOnceCombinedOptimizer([("sparse", model.fused_optimizer), ("dense", module.configure_optimizers())])
     rng = np.random.default_rng(0)
     block = RowBlock(
@@ -147,9 +155,11 @@ def main() -> None:
         print(f"   ratio                                  {assembly / training:>12.1f}x   (goal >= 10x)\n")
 
         hours = TERABYTE_ROWS / (per_core * HOST_CORES) / 3600
+        input_gb_per_s = per_core * HOST_CORES * (tsv.stat().st_size / args.rows) / 1e9
         print("3. preprocessing raw TSV -> NumPy")
         print(f"   one worker                             {per_core:>12,.0f} rows/s")
-        print(f"   Criteo Terabyte ({TERABYTE_ROWS / 1e9:.1f}e9 rows), {HOST_CORES} cores   {hours:>9.2f} hours (extrapolated)")
+        print(f"   Criteo Terabyte ({TERABYTE_ROWS / 1e9:.1f}e9 rows), {HOST_CORES} cores   {hours:>9.2f} hours "
+              f"(extrapolated: linear in cores, and only if storage delivers {input_gb_per_s:.1f} GB/s of raw TSV)")
 
 
 if __name__ == "__main__":

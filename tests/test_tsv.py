@@ -7,12 +7,14 @@ from __future__ import annotations
 import functools
 import gzip
 import re
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from app.data import tsv
+from app.data.synthetic import write_synthetic_criteo
 from app.data.tsv import (
     CriteoArrays,
     CriteoFormatError,
@@ -671,3 +673,206 @@ def test_directories_and_patterns_in_natural_order(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=re.escape("contains no *.tsv or *.txt files")):
         expand_paths(tmp_path / "empty")
+
+
+# ----------------------------------------------------------------------------------------------
+# Blocks parsed on several threads: the same rows, counts and first error as one thread
+# ----------------------------------------------------------------------------------------------
+
+
+def assert_same_bits(got: CriteoArrays, want: CriteoArrays) -> None:
+    """The same arrays bit for bit (float32 compared as bytes), and the same bad-row accounts."""
+    for a, b in [(got.dense, want.dense), (got.sparse, want.sparse), (got.labels, want.labels)]:
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.tobytes() == b.tobytes()
+    assert (got.num_bad_rows, got.first_bad_row) == (want.num_bad_rows, want.first_bad_row)
+
+
+def raised_by(read) -> str:
+    with pytest.raises(CriteoFormatError) as raised:
+        read()
+    return str(raised.value)
+
+
+def slow_block(monkeypatch, marker: bytes, seconds: float = 0.2) -> list[tuple[int, bool]]:
+    """Make the parse of the block holding ``marker`` slow, so that the blocks after it finish
+    first. Returns (first line, holds the marker) of each parse, in the order they finished."""
+    parse = tsv._parse
+    finished: list[tuple[int, bool]] = []
+
+    def delayed(buf, first_line_number, *args):
+        slow = marker in bytes(buf)
+        try:
+            if slow:
+                time.sleep(seconds)
+            return parse(buf, first_line_number, *args)
+        finally:
+            finished.append((first_line_number, slow))
+
+    monkeypatch.setattr(tsv, "_parse", delayed)
+    return finished
+
+
+def overtaken(finished: list[tuple[int, bool]]) -> bool:
+    """Whether a block after the slow one finished before it."""
+    slow_at = next(i for i, (_, slow) in enumerate(finished) if slow)
+    slow_line = finished[slow_at][0]
+    return any(line > slow_line for line, _ in finished[:slow_at])
+
+
+@pytest.fixture(scope="module")
+def synthetic_files(tmp_path_factory) -> dict[str, Path]:
+    """Synthetic sample files (as data/make_sample.py writes, smaller), plain and gzip."""
+    folder = tmp_path_factory.mktemp("threads")
+    files = {"train.tsv": True, "predict.tsv": False}  # name -> labelled
+    for seed, (name, labelled) in enumerate(files.items(), start=1):
+        write_synthetic_criteo(folder / name, 2_000, seed=seed, labelled=labelled)
+        write_gz(folder / f"{name}.gz", (folder / name).read_bytes())
+    return {path.name: path for path in folder.iterdir()}
+
+
+@pytest.mark.parametrize(
+    "name, num_threads", [("train.tsv", 8), ("predict.tsv", 3), ("train.tsv.gz", 2)]
+)
+def test_threads_read_the_synthetic_sample_like_one_thread(name, num_threads, synthetic_files, monkeypatch):
+    path = synthetic_files[name]
+    monkeypatch.setattr(tsv, "CHUNK_BYTES", 8 * 1024)  # about 60 blocks
+    want = read_tsv(path, SMALL, num_threads=1)
+    assert len(want) == 2_000
+    assert_same_bits(read_tsv(path, SMALL, num_threads=num_threads), want)
+    log3 = read_tsv(path, SMALL, dense_transform="log_plus_3", num_threads=num_threads)
+    assert_same_bits(log3, read_tsv(path, SMALL, dense_transform="log_plus_3", num_threads=1))
+    chunks = list(iter_tsv_chunks(path, SMALL, block_bytes=8 * 1024, num_threads=num_threads))
+    assert len(chunks) > 40
+    assert_same_bits(CriteoArrays.concat([chunk for chunk, _ in chunks]), want)
+
+
+def test_threads_read_several_files_like_one_thread(synthetic_files, monkeypatch):
+    monkeypatch.setattr(tsv, "CHUNK_BYTES", 16 * 1024)
+    paths = [synthetic_files["train.tsv.gz"], synthetic_files["train.tsv"]]
+    assert_same_bits(read_tsv_files(paths, RAW, num_threads=4), read_tsv_files(paths, RAW, num_threads=1))
+    mixed = [synthetic_files["train.tsv"], synthetic_files["predict.tsv.gz"]]
+    message = raised_by(lambda: read_tsv_files(mixed, RAW, num_threads=1))
+    assert "labelled and unlabelled files cannot be mixed" in message
+    assert raised_by(lambda: read_tsv_files(mixed, RAW, num_threads=4)) == message
+
+
+@pytest.mark.parametrize("name", sorted(REAL_FILES))
+def test_threads_read_real_rows_like_one_thread(name, monkeypatch):
+    path = real_file(name)
+    monkeypatch.setattr(tsv, "CHUNK_BYTES", 16 * 1024)  # about 100 blocks
+    want = read_tsv(path, SMALL, num_threads=1)
+    assert len(want) == REAL_FILES[name]  # and equal to the reference parser: see the tests above
+    assert_same_bits(read_tsv(path, SMALL, num_threads=4), want)
+    chunks = [chunk for chunk, _ in iter_tsv_chunks(path, SMALL, block_bytes=16 * 1024, num_threads=4)]
+    assert_same_bits(CriteoArrays.concat(chunks), want)
+
+
+def test_threads_report_the_first_bad_line_when_a_later_block_fails_first(tmp_path, monkeypatch):
+    lines = numbered_rows(400)
+    lines[99] = with_field(GOOD, 20, "zzfirst")  # line 100: the first bad line
+    lines[119] = GOOD + "\t1"  # line 120: too many fields, a few blocks later
+    lines[139] = with_field(GOOD, 0, "7")  # line 140: a bad label
+    path = write(tmp_path, lines)
+    monkeypatch.setattr(tsv, "CHUNK_BYTES", 2_000)  # about 7 lines per block
+    want = raised_by(lambda: read_tsv(path, RAW, num_threads=1))
+    assert want.startswith(f"{path}:100: field C7 = 'zzfirst' is not a hex id")
+    finished = slow_block(monkeypatch, b"zzfirst")
+    assert raised_by(lambda: read_tsv(path, RAW, num_threads=4)) == want
+    assert overtaken(finished)  # the blocks of lines 120 and 140 failed while line 100's was slow
+    finished.clear()
+    assert raised_by(lambda: list(iter_tsv_chunks(path, RAW, block_bytes=2_000, num_threads=4))) == want
+    assert overtaken(finished)
+    # Skipping: the same rows, count and first example, in file order.
+    monkeypatch.undo()
+    monkeypatch.setattr(tsv, "CHUNK_BYTES", 2_000)
+    want_rows = read_tsv(path, RAW, on_bad_rows="skip", num_threads=1)
+    assert want_rows.num_bad_rows == 3 and want_rows.first_bad_row == want
+    finished = slow_block(monkeypatch, b"zzfirst")
+    assert_same_bits(read_tsv(path, RAW, on_bad_rows="skip", num_threads=4), want_rows)
+    assert overtaken(finished)
+
+
+@pytest.mark.parametrize("labelled", [True, None], ids=["labelled", "auto-detected"])
+def test_threads_skip_the_same_rows_while_the_output_grows(labelled, tmp_path, monkeypatch):
+    """Bad rows in many blocks, dropped while the arrays are regrown several times."""
+    path, bad_lines, _ = file_with_bad_rows(tmp_path)
+    monkeypatch.setattr(tsv, "CHUNK_BYTES", 1_000)
+    monkeypatch.setattr(tsv._Output, "SLACK", 0.05)  # estimates far too low: several regrowths
+    want = read_tsv(path, RAW, labelled, on_bad_rows="skip", num_threads=1)
+    assert want.num_bad_rows == len(bad_lines)
+    for num_threads in [2, 5]:
+        assert_same_bits(read_tsv(path, RAW, labelled, on_bad_rows="skip", num_threads=num_threads), want)
+        chunks = list(
+            iter_tsv_chunks(path, RAW, labelled, block_bytes=1_000, on_bad_rows="skip", num_threads=num_threads)
+        )
+        assert sum(count for _, count in chunks) == len(bad_lines)
+        assert_same_bits(CriteoArrays.concat([chunk for chunk, _ in chunks]), want)
+    # The first blocks hold only bad rows: labelled/unlabelled is settled further on.
+    lines = ["", "\x00" * 150, "\x00"] + [UNLABELLED] * 30
+    unlabelled = write(tmp_path, lines, name="u.tsv")
+    monkeypatch.setattr(tsv, "CHUNK_BYTES", 100)
+    want = read_tsv(unlabelled, RAW, on_bad_rows="skip", num_threads=1)
+    assert len(want) == 30 and want.num_bad_rows == 3
+    assert_same_bits(read_tsv(unlabelled, RAW, on_bad_rows="skip", num_threads=3), want)
+
+
+def test_threads_and_damaged_gzip(tmp_path, monkeypatch):
+    """The error of a damaged stream is the same, and an earlier bad line still comes first."""
+    monkeypatch.setattr(tsv, "CHUNK_BYTES", 2_000)
+    lines = numbered_rows(400)
+    whole = gzip.compress(("\n".join(lines) + "\n").encode())
+    cut = tmp_path / "cut.gz"
+    cut.write_bytes(whole[: len(whole) // 2])  # truncated mid-stream
+    no_trailer = tmp_path / "no-trailer.gz"
+    no_trailer.write_bytes(whole[:-8])  # every line there, then the stream ends without its CRC
+    for path in [cut, no_trailer]:
+        want = raised_by(lambda: read_tsv(path, RAW, num_threads=1))
+        assert "gzip stream is truncated or corrupt" in want
+        assert raised_by(lambda: read_tsv(path, RAW, num_threads=4)) == want
+        assert raised_by(lambda: read_tsv(path, RAW, on_bad_rows="skip", num_threads=4)) == want
+        assert raised_by(lambda: list(iter_tsv_chunks(path, RAW, num_threads=4))) == want
+    # A bad line in a block still being parsed when the damage is met: the bad line is reported.
+    lines[384] = with_field(GOOD, 20, "zzlast")
+    bad = tmp_path / "bad.gz"
+    bad.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode())[:-8])
+    want = raised_by(lambda: read_tsv(bad, RAW, num_threads=1))
+    assert want.startswith(f"{bad}:385: field C7 = 'zzlast'")
+    events = slow_block(monkeypatch, b"zzlast")
+    read_block = tsv._read_block
+
+    def noted_read_block(*args):
+        try:
+            return read_block(*args)
+        except CriteoFormatError:
+            events.append((0, False))  # the damage was met
+            raise
+
+    monkeypatch.setattr(tsv, "_read_block", noted_read_block)
+    for read in [
+        lambda: read_tsv(bad, RAW, num_threads=4),
+        lambda: list(iter_tsv_chunks(bad, RAW, block_bytes=2_000, num_threads=4)),
+    ]:
+        events.clear()
+        assert raised_by(read) == want
+        assert (0, False) in events[: events.index(next(e for e in events if e[1]))]  # met while parsing
+
+
+def test_threaded_iter_tsv_chunks_can_be_abandoned(synthetic_files):
+    chunks = iter_tsv_chunks(synthetic_files["train.tsv"], RAW, block_bytes=4_096, num_threads=4)
+    first, _ = next(chunks)
+    assert len(first) > 0
+    chunks.close()  # stops the parses in flight and closes the file
+
+
+@pytest.mark.parametrize("num_threads", [0, -1, 1.5, True, "2"])
+def test_bad_thread_counts_are_rejected(num_threads, tmp_path):
+    path = write(tmp_path, [GOOD])
+    with pytest.raises(ValueError, match="num_threads"):
+        read_tsv(path, RAW, num_threads=num_threads)
+    with pytest.raises(ValueError, match="num_threads"):
+        next(iter_tsv_chunks(path, RAW, num_threads=num_threads))
+
+
+def test_default_thread_count():
+    assert 1 <= tsv.default_num_threads() <= tsv.MAX_DEFAULT_THREADS
