@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.data import tsv
+from app.data import tsv, tsv_format, tsv_output, tsv_pipeline, tsv_stream
 from app.data.synthetic import write_synthetic_criteo
 from app.data.tsv import (
     CriteoArrays,
@@ -530,7 +530,7 @@ def test_output_grows_when_the_row_estimate_falls_short(tmp_path, monkeypatch):
     lines = numbered_rows(300)
     expected = read_tsv(write(tmp_path, lines), RAW)
     monkeypatch.setattr(tsv, "CHUNK_BYTES", 1_000)
-    monkeypatch.setattr(tsv._Output, "SLACK", 0.05)  # estimates far too low: several regrowths
+    monkeypatch.setattr(tsv_output._Output, "SLACK", 0.05)  # estimates far too low: several regrowths
     assert_matches(read_tsv(tmp_path / "rows.tsv", RAW), as_expected(expected))
 
 
@@ -616,7 +616,7 @@ def test_skip_an_unlabelled_file_and_a_first_block_of_only_bad_rows(tmp_path, mo
 
 
 def test_concat_adds_bad_row_counts():
-    parts = [tsv._empty_arrays(0) for _ in range(3)]
+    parts = [tsv_format._empty_arrays(0) for _ in range(3)]
     parts[1].num_bad_rows, parts[1].first_bad_row = 2, "a:3: x"
     parts[2].num_bad_rows, parts[2].first_bad_row = 1, "b:1: y"
     joined = CriteoArrays.concat(parts)
@@ -697,7 +697,7 @@ def raised_by(read) -> str:
 def slow_block(monkeypatch, marker: bytes, seconds: float = 0.2) -> list[tuple[int, bool]]:
     """Make the parse of the block holding ``marker`` slow, so that the blocks after it finish
     first. Returns (first line, holds the marker) of each parse, in the order they finished."""
-    parse = tsv._parse
+    parse = tsv_pipeline._parse
     finished: list[tuple[int, bool]] = []
 
     def delayed(buf, first_line_number, *args):
@@ -709,7 +709,7 @@ def slow_block(monkeypatch, marker: bytes, seconds: float = 0.2) -> list[tuple[i
         finally:
             finished.append((first_line_number, slow))
 
-    monkeypatch.setattr(tsv, "_parse", delayed)
+    monkeypatch.setattr(tsv_pipeline, "_parse", delayed)
     return finished
 
 
@@ -798,7 +798,7 @@ def test_threads_skip_the_same_rows_while_the_output_grows(labelled, tmp_path, m
     """Bad rows in many blocks, dropped while the arrays are regrown several times."""
     path, bad_lines, _ = file_with_bad_rows(tmp_path)
     monkeypatch.setattr(tsv, "CHUNK_BYTES", 1_000)
-    monkeypatch.setattr(tsv._Output, "SLACK", 0.05)  # estimates far too low: several regrowths
+    monkeypatch.setattr(tsv_output._Output, "SLACK", 0.05)  # estimates far too low: several regrowths
     want = read_tsv(path, RAW, labelled, on_bad_rows="skip", num_threads=1)
     assert want.num_bad_rows == len(bad_lines)
     for num_threads in [2, 5]:
@@ -839,7 +839,7 @@ def test_threads_and_damaged_gzip(tmp_path, monkeypatch):
     want = raised_by(lambda: read_tsv(bad, RAW, num_threads=1))
     assert want.startswith(f"{bad}:385: field C7 = 'zzlast'")
     events = slow_block(monkeypatch, b"zzlast")
-    read_block = tsv._read_block
+    read_block = tsv_stream._read_block
 
     def noted_read_block(*args):
         try:
@@ -848,7 +848,7 @@ def test_threads_and_damaged_gzip(tmp_path, monkeypatch):
             events.append((0, False))  # the damage was met
             raise
 
-    monkeypatch.setattr(tsv, "_read_block", noted_read_block)
+    monkeypatch.setattr(tsv_stream, "_read_block", noted_read_block)
     for read in [
         lambda: read_tsv(bad, RAW, num_threads=4),
         lambda: list(iter_tsv_chunks(bad, RAW, block_bytes=2_000, num_threads=4)),

@@ -1,0 +1,75 @@
+"""Raw Criteo TSV -> TorchRec's NumPy day files, streamed, in parallel, resumable.
+
+``python -m app.preprocess --help`` (:mod:`app.preprocess.cli`) says what is written and how to run it.
+
+Streaming: every chunk of parsed rows is appended to the three output files at once, so memory is
+bounded by the chunk size, not the input size. Each .npy file starts with the header for zero rows,
+which NumPy pads so that the row count can grow to 21 digits without changing the header's length
+(``numpy.lib.format.GROWTH_AXIS_MAX_DIGITS``); when the day is done the header is rewritten in
+place with the real row count. No output is read back or copied.
+
+Resuming: a day is written under ``*.partial`` names and renamed when complete, so a day whose
+files all exist is finished: a re-run skips it (checking it was made from the same input file, by
+name and size, with the same options) and redoes only the others. The first pass of
+``--frequency-threshold`` resumes the same way (per file's id counts, then the saved vocabularies).
+
+Memory per worker: a few chunks (``--block-mib``) plus the distinct ids of its file. With
+``--frequency-threshold`` the main process also holds one feature's distinct ids over all files
+with their counts while merging (as TorchRec's own contiguous preprocessing does).
+
+One job per module: ``cli`` (the command line), ``config`` (the options and one day's task),
+``runner`` (the whole run), ``chunks`` (raw TSV in chunks), ``day`` (one input file -> one day),
+``vocabulary`` (--frequency-threshold's counting pass, --vocabulary, mapping ids), ``id_counts``
+(exact id counts), ``resume`` (which days and counts an earlier run finished), ``metadata``
+(metadata.json), ``workers`` (worker processes with one progress bar), ``files`` (files written
+whole or not at all).
+"""
+
+from app.data.tsv import NUM_DENSE, NUM_SPARSE
+from app.preprocess.chunks import RAW_IDS, iter_chunks
+from app.preprocess.cli import build_parser, default_workers, main
+from app.preprocess.config import DEFAULT_BLOCK_MIB, DENSE_TRANSFORMS, FORMAT_VERSION, Config, DayResult, DayTask
+from app.preprocess.day import convert_day
+from app.preprocess.files import NpyStreamWriter, read_sidecar_info
+from app.preprocess.id_counts import FEATURE_OFFSETS, IdCounter
+from app.preprocess.metadata import build_metadata
+from app.preprocess.runner import run
+from app.preprocess.vocabulary import (
+    FIRST_CONTIGUOUS_ID,
+    RARE_ID,
+    count_ids,
+    load_vocabularies,
+    map_to_contiguous,
+    vocabulary_path,
+)
+from app.preprocess.workers import run_tasks
+
+__all__ = [
+    "DEFAULT_BLOCK_MIB",
+    "DENSE_TRANSFORMS",
+    "FEATURE_OFFSETS",
+    "FIRST_CONTIGUOUS_ID",
+    "FORMAT_VERSION",
+    "NUM_DENSE",
+    "NUM_SPARSE",
+    "RARE_ID",
+    "RAW_IDS",
+    "Config",
+    "DayResult",
+    "DayTask",
+    "IdCounter",
+    "NpyStreamWriter",
+    "build_metadata",
+    "build_parser",
+    "convert_day",
+    "count_ids",
+    "default_workers",
+    "iter_chunks",
+    "load_vocabularies",
+    "main",
+    "map_to_contiguous",
+    "read_sidecar_info",
+    "run",
+    "run_tasks",
+    "vocabulary_path",
+]

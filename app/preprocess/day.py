@@ -1,0 +1,62 @@
+"""One input file -> one day: ``day_N_{dense,sparse,labels}.npy`` streamed chunk by chunk, and
+``day_N_stats.npz`` with its counts and distinct raw ids, all renamed into place when complete."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from app.data.tsv import NUM_DENSE, NUM_SPARSE
+from app.preprocess.chunks import iter_chunks
+from app.preprocess.config import DayResult, DayTask
+from app.preprocess.files import NpyStreamWriter, _save_npz_atomically
+from app.preprocess.id_counts import IdCounter
+from app.preprocess.resume import _input_info
+from app.preprocess.vocabulary import load_vocabularies, map_to_contiguous
+from app.preprocess.workers import report_rows
+
+
+def convert_day(task: DayTask) -> DayResult:
+    """Write one input file as day ``task.day``: three .npy files and the stats, renamed when complete."""
+    started = time.perf_counter()
+    vocabularies = load_vocabularies(task.vocabulary_dir) if task.vocabulary_dir else None
+    writers = [
+        NpyStreamWriter(task.path("dense.npy"), np.float32, (NUM_DENSE,)),
+        NpyStreamWriter(task.path("sparse.npy"), np.int64, (NUM_SPARSE,)),
+        NpyStreamWriter(task.path("labels.npy"), np.int32, (1,)),
+    ]
+    counter, positives, skipped, labelled, first_bad_row = IdCounter(), 0, 0, True, None
+    try:
+        for arrays, skipped_here in iter_chunks(task.input, task.dense_transform, task.on_bad_rows, task.block_bytes):
+            counter.add_ids(arrays.sparse)
+            sparse = arrays.sparse if vocabularies is None else map_to_contiguous(arrays.sparse, vocabularies)
+            for writer, part in zip(writers, (arrays.dense, sparse, arrays.labels)):
+                writer.write(part)
+            positives += int(np.count_nonzero(arrays.labels == 1))
+            labelled = labelled and not (len(arrays) and arrays.labels[0] == -1)
+            skipped += int(skipped_here)
+            first_bad_row = first_bad_row or getattr(arrays, "first_bad_row", None)
+            report_rows(len(arrays))
+        for writer in writers:
+            writer.finish()
+        stats = dict(rows=writers[0].rows, positives=positives, skipped_rows=skipped, labelled=labelled,
+                     first_bad_row=first_bad_row)
+        _save_day_stats(task, stats, counter)
+        for writer in writers:  # the stats first: a day whose three .npy files exist has its stats
+            writer.commit()
+    except BaseException:
+        for writer in writers:
+            writer.abort()
+        raise
+    return DayResult(task.day, writers[0].rows, time.perf_counter() - started)
+
+
+def _save_day_stats(task: DayTask, stats: dict, counter: IdCounter) -> None:
+    """The day's counts and its distinct raw ids per feature (uint32: raw ids are below 2**32),
+    kept so that metadata.json can count distinct ids over all days, also after a resumed run."""
+    unique = [ids.astype(np.uint32) for ids, _ in counter.per_feature()]
+    info = dict(stats, **_input_info(task), signature=task.signature, distinct_ids_per_feature=[u.size for u in unique])
+    members = {f"unique_{j}": ids for j, ids in enumerate(unique)}
+    _save_npz_atomically(task.path("stats.npz"), info=np.array(json.dumps(info)), **members)
