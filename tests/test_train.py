@@ -204,3 +204,12 @@ def test_fit_trains_on_every_format(data_args, day_folders, tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     last = [row for row in _metrics(tmp_path) if row.get("val/auc")][-1]
     assert float(last["val/auc"]) > 0.6, last  # the planted signal survives every conversion
+
+
+def test_gradient_accumulation_is_refused_since_the_embedding_update_is_fused(tmp_path, sample_dir):
+    # (fp16 "16-mixed" is refused the same way on GPUs; on CPU Lightning itself turns it into bf16.)
+    result = run_app(
+        "fit", *common_args(tmp_path, sample_dir), "--trainer.logger", "false", "--trainer.accumulate_grad_batches", "2"
+    )
+    assert result.returncode != 0
+    assert "trainer.accumulate_grad_batches = 2: the embedding optimizer is fused" in result.stderr, result.stderr[-3000:]
