@@ -183,7 +183,7 @@ def _natural_key(name: str) -> list[int | str]:
 def format_plan(plan: ShardingPlan) -> str:
     """The plan as an aligned text table: one row per table, with its sharding type, kernel and shards."""
     rows = [("table", "sharding", "kernel", "ranks", "shard sizes (rows x cols)")]
-    for module_path, module_plan in sorted(plan.plan.items()):
+    for _, module_plan in sorted(plan.plan.items()):
         for param_name, sharding in sorted(module_plan.items(), key=lambda item: _natural_key(item[0])):  # type: ignore[union-attr]
             shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
             sizes = " ".join("x".join(str(s) for s in shard.shard_sizes) for shard in shards) or "replicated"

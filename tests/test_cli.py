@@ -66,5 +66,5 @@ def test_bad_settings_stop_before_any_worker_with_one_line(args, message, sample
     base = ["fit", "--config", "configs/demo.yaml", "--data.train", str(sample_dir / "train.tsv"), "--data.val", "null"]
     assert _run(base + ["--data.test", "null", "--data.predict", "null", *args]) == 2
     err = capsys.readouterr().err
-    assert f"error: " in err and message in err
+    assert "error: " in err and message in err
     assert "Traceback" not in err
