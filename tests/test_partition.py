@@ -83,3 +83,38 @@ def test_sampler_follows_the_epoch_lightning_sets():
     sampler.set_epoch(4)
     assert list(sampler) == [(4, 0), (4, 1), (4, 2)]
     assert len(sampler) == 3
+
+
+class _MappedRows:
+    """A memory-mapped-like source: shuffling must permute whole global batches, not rows."""
+
+    def __init__(self, arrays: CriteoArrays) -> None:
+        self.arrays = arrays
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    @property
+    def in_memory(self) -> bool:
+        return False
+
+    def take(self, rows):
+        return self.arrays.take(rows)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_memory_mapped_sources_shuffle_global_batches_and_keep_every_row_once(world_size):
+    batch_size, num_rows = 4, 4 * 3 * 9 + 5  # 9 full global batches for 3 ranks, and a short one
+    source = _MappedRows(_arrays(num_rows))
+    ranks = [CriteoBatches(source, batch_size, r, world_size, shuffle=True, seed=2, drop_remainder=True) for r in range(world_size)]
+    orders = []
+    for epoch in (0, 1):
+        steps = [[ranks[r][(epoch, i)].row_ids.tolist() for r in range(world_size)] for i in range(len(ranks[0]))]
+        flat = [row for step in steps for rows in step for row in rows]
+        dropped = num_rows % (batch_size * world_size) % world_size
+        assert sorted(flat) == sorted(set(flat)) and len(flat) == num_rows - dropped
+        for step in steps:  # each step is one contiguous run of rows: reads stay sequential
+            rows = [row for rows in step for row in rows]
+            assert rows == list(range(rows[0], rows[0] + len(rows)))
+        orders.append([step[0][0] for step in steps])
+    assert orders[0] != orders[1]
