@@ -45,6 +45,7 @@ from app.data.numpy_days import (
     ids_as_int64,
     open_npy,
     reduce_ids,
+    require_day_files,
 )
 from app.data.source import NUM_DENSE, NUM_SPARSE, RowBlock
 
@@ -114,12 +115,7 @@ class MultiHotDaysSource(MappedDays):
 
     def _open(self, prefix: Path) -> int:
         dense_path, labels_path, npz_path = multi_hot_day_paths(prefix)
-        for path in (dense_path, labels_path, npz_path):
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"{path}: missing; multi-hot day {prefix.name} needs {dense_path.name}, "
-                    f"{labels_path.name} and {npz_path.name}"
-                )
+        require_day_files(f"multi-hot day {prefix.name}", (dense_path, labels_path, npz_path))
         dense = open_npy(dense_path, DENSE_DTYPES, width=NUM_DENSE)
         labels = open_npy(labels_path, LABEL_DTYPES, width=None)
         members = map_npz(npz_path, MULTI_HOT_KEYS)

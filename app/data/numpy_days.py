@@ -181,12 +181,7 @@ class NumpyDaysSource(MappedDays):
 
     def _open(self, prefix: Path) -> int:
         dense_path, sparse_path, labels_path = day_paths(prefix)
-        for path in (dense_path, sparse_path, labels_path):
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"{path}: missing; day {prefix.name} needs {dense_path.name}, {sparse_path.name} "
-                    f"and {labels_path.name}"
-                )
+        require_day_files(f"day {prefix.name}", (dense_path, sparse_path, labels_path))
         dense = open_npy(dense_path, DENSE_DTYPES, width=NUM_DENSE)
         sparse = open_npy(sparse_path, SPARSE_DTYPES, width=NUM_SPARSE)
         labels = open_npy(labels_path, LABEL_DTYPES, width=None)
@@ -236,6 +231,14 @@ def day_paths(prefix: str | os.PathLike) -> tuple[Path, Path, Path]:
     """The dense, sparse and labels files of the day with this path prefix."""
     prefix = os.fspath(prefix)
     return Path(f"{prefix}_dense.npy"), Path(f"{prefix}_sparse.npy"), Path(f"{prefix}_labels.npy")
+
+
+def require_day_files(day: str, paths: Sequence[Path]) -> None:
+    """A FileNotFoundError naming the first missing file of a day and all the files the day needs."""
+    for path in paths:
+        if not path.is_file():
+            needed = ", ".join(p.name for p in paths[:-1]) + f" and {paths[-1].name}"
+            raise FileNotFoundError(f"{path}: missing; {day} needs {needed}")
 
 
 def check_table_sizes(num_embeddings_per_feature: Sequence[int]) -> np.ndarray:
