@@ -113,7 +113,7 @@ class DLRMModule(LightningModule):
         probabilities = torch.sigmoid(self(batch).float())[valid]
         metrics.update(probabilities, batch.labels[valid].long())
         # Logged as metric objects: Lightning computes them once per epoch, synced across ranks.
-        self.log_dict(metrics, on_step=False, on_epoch=True, prog_bar=True, batch_size=int(valid.sum()))
+        self.log_dict(metrics, on_step=False, on_epoch=True, prog_bar=True, batch_size=batch.labels.numel())
 
     def predict_step(self, batch: CriteoBatch, batch_idx: int) -> dict[str, torch.Tensor]:
         valid = batch.valid_rows

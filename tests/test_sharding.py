@@ -59,7 +59,7 @@ def shards_and_predictions(cli) -> dict:
                 )
             else:
                 shards[key] = [((0, 0), tuple(value.shape))]  # data-parallel: a full replica
-    arrays = read_tsv(cli.datamodule.paths["val"][0], [TABLE_SIZE] * NUM_TABLES)
+    arrays = read_tsv(cli.datamodule.specs["val"], [TABLE_SIZE] * NUM_TABLES)
     all_rows = np.arange(len(arrays))
     batch = make_batch(arrays.take(all_rows), all_rows)
     module.eval()

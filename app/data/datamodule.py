@@ -9,11 +9,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from app.data.dataset import CriteoBatches, EpochBatchSampler
-from app.data.formats import DataFormat, DenseTransform, OnBadRows, ReadOptions, detect_format, open_split
+from app.data.formats import DataFormat, ReadOptions, detect_format, open_split
 from app.data.loader import ResumableBatchLoader
 from app.data.source import RowSource
 from app.data.splits import SplitName, named_split
 from app.data.tsv import expand_paths
+from app.data.tsv_format import DenseTransform, OnBadRows
 from app.model.tables import expand_table_sizes
 
 PathSpec = str | list[str]
@@ -110,11 +111,6 @@ class CriteoDataModule(LightningDataModule):
                     raise FileNotFoundError(f"{first}: data directory does not exist")
             except FileNotFoundError as error:
                 raise FileNotFoundError(f"data.{name}: {error}") from None
-
-    @property
-    def paths(self) -> dict[str, list[Path]]:
-        """The raw TSV files of each split given as paths."""
-        return {name: expand_paths(spec) for name, spec in self.specs.items()}
 
     def setup(self, stage: str) -> None:
         rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)

@@ -3,21 +3,18 @@ NumPy day files, or MLPerf's multi-hot day files."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from app.data.multi_hot import MultiHotDaysSource
+from app.data.numpy_days import NumpyDaysSource
 from app.data.source import RowSource
 from app.data.tsv import CriteoArrays, expand_paths, read_tsv_files
+from app.data.tsv_format import DenseTransform, OnBadRows
 
 DataFormat = Literal["auto", "tsv", "numpy", "multi_hot"]
-DenseTransform = Literal["log1p", "log_plus_3"]
-OnBadRows = Literal["error", "skip"]
-
-_NUMPY_DAY = re.compile(r"day_(\d+)_dense\.npy")
-_MULTI_HOT_DAY = re.compile(r"day_(\d+)_sparse_multi_hot\.npz")
 
 
 @dataclass(frozen=True)
@@ -33,9 +30,9 @@ def detect_format(path: Path) -> str:
     """``multi_hot`` or ``numpy`` for a directory of preprocessed day files, ``tsv`` otherwise."""
     if path.is_dir():
         names = [p.name for p in path.iterdir()]
-        if any(_MULTI_HOT_DAY.fullmatch(n) for n in names):
+        if any(MultiHotDaysSource.day_file.fullmatch(n) for n in names):
             return "multi_hot"
-        if any(_NUMPY_DAY.fullmatch(n) for n in names):
+        if any(NumpyDaysSource.day_file.fullmatch(n) for n in names):
             return "numpy"
     return "tsv"
 
@@ -59,13 +56,8 @@ def open_split(
         return read_tsv_split(spec, options, setting, labelled)
     if not isinstance(spec, str):
         raise ValueError(f"{setting}: the {resolved} format takes one directory, got a list {list(spec)}")
-    if resolved == "numpy":
-        from app.data.numpy_days import NumpyDaysSource
-
-        return NumpyDaysSource.from_directory(first, days, options.table_sizes)
-    from app.data.multi_hot import MultiHotDaysSource
-
-    return MultiHotDaysSource.from_directory(first, days, options.table_sizes)
+    source_class = NumpyDaysSource if resolved == "numpy" else MultiHotDaysSource
+    return source_class.from_directory(first, days, options.table_sizes)
 
 
 def read_tsv_split(

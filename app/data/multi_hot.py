@@ -40,14 +40,12 @@ from app.data.numpy_days import (
     MappedDays,
     check_array,
     check_same_rows,
-    check_table_sizes,
-    find_days,
     ids_as_int64,
     open_npy,
     reduce_ids,
     require_day_files,
 )
-from app.data.source import NUM_DENSE, NUM_SPARSE, RowBlock
+from app.data.source import NUM_DENSE, NUM_SPARSE, RowBlock, check_table_sizes
 
 # MLPerf DLRMv2 (docs/criteo-formats.md, section 3).
 MLPERF_TABLE_SIZES = (
@@ -82,6 +80,9 @@ class MultiHotDaysSource(MappedDays):
     not checked to be in {-1, 0, 1}: that would read every labels file whole.
     """
 
+    day_file = _DAY_FILE
+    day_glob = "day_*_sparse_multi_hot.npz"
+
     def __init__(
         self,
         prefixes: Sequence[str | os.PathLike],
@@ -98,20 +99,6 @@ class MultiHotDaysSource(MappedDays):
         self._bags: list[list[np.ndarray]] = []  # per day, 26 arrays (rows, m_j)
         super().__init__(prefixes, num_embeddings_per_feature, start_row, stop_row)
         self._init_args["multi_hot_sizes"] = multi_hot_sizes
-
-    @classmethod
-    def from_directory(
-        cls,
-        path: str | os.PathLike,
-        days: Sequence[int] | None,
-        num_embeddings_per_feature: Sequence[int],
-        start_row: int = 0,
-        stop_row: int | None = None,
-        multi_hot_sizes: Sequence[int] | None = None,
-    ) -> "MultiHotDaysSource":
-        """The given days of a folder (None = every ``day_N_sparse_multi_hot.npz`` there, by increasing N)."""
-        prefixes = find_days(path, days, _DAY_FILE, "day_*_sparse_multi_hot.npz")
-        return cls(prefixes, num_embeddings_per_feature, start_row, stop_row, multi_hot_sizes)
 
     def _open(self, prefix: Path) -> int:
         dense_path, labels_path, npz_path = multi_hot_day_paths(prefix)

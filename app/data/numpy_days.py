@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from app.data.source import NUM_DENSE, NUM_SPARSE, RowBlock
+from app.data.source import NUM_DENSE, NUM_SPARSE, RowBlock, check_table_sizes
 
 # Above this many separate runs of consecutive rows, one fancy-indexed gather per day beats a slice
 # read per run (each slice costs a few microseconds of Python per array).
@@ -83,6 +83,24 @@ class MappedDays:
                 f"{self._describe_days()}"
             )
         self.start_row, self.stop_row = int(start_row), int(stop_row)
+
+    # The file that marks a day in a folder, set by each subclass (e.g. day_N_dense.npy).
+    day_file: re.Pattern
+    day_glob: str
+
+    @classmethod
+    def from_directory(
+        cls,
+        path: str | os.PathLike,
+        days: Sequence[int] | None,
+        num_embeddings_per_feature: Sequence[int],
+        start_row: int = 0,
+        stop_row: int | None = None,
+        **options: Any,
+    ) -> "MappedDays":
+        """The given days of a folder (None = every day whose ``day_glob`` file is there, by increasing N)."""
+        prefixes = find_days(path, days, cls.day_file, cls.day_glob)
+        return cls(prefixes, num_embeddings_per_feature, start_row, stop_row, **options)
 
     def _open(self, prefix: Path) -> int:
         raise NotImplementedError
@@ -167,6 +185,9 @@ class NumpyDaysSource(MappedDays):
     checked to be in {-1, 0, 1}: that would read every labels file whole before training starts.
     """
 
+    day_file = _DAY_FILE
+    day_glob = "day_*_dense.npy"
+
     def __init__(
         self,
         prefixes: Sequence[str | os.PathLike],
@@ -190,18 +211,6 @@ class NumpyDaysSource(MappedDays):
         self._sparse.append(sparse)
         self._labels.append(labels.reshape(-1))
         return int(dense.shape[0])
-
-    @classmethod
-    def from_directory(
-        cls,
-        path: str | os.PathLike,
-        days: Sequence[int] | None,
-        num_embeddings_per_feature: Sequence[int],
-        start_row: int = 0,
-        stop_row: int | None = None,
-    ) -> "NumpyDaysSource":
-        """The given days of a folder (None = every ``day_N_dense.npy`` there, by increasing N)."""
-        return cls(find_days(path, days, _DAY_FILE, "day_*_dense.npy"), num_embeddings_per_feature, start_row, stop_row)
 
     def day_arrays(self, day_index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The mapped ``(dense, sparse, labels (rows,))`` of the ``day_index``-th day, as stored
@@ -239,17 +248,6 @@ def require_day_files(day: str, paths: Sequence[Path]) -> None:
         if not path.is_file():
             needed = ", ".join(p.name for p in paths[:-1]) + f" and {paths[-1].name}"
             raise FileNotFoundError(f"{path}: missing; {day} needs {needed}")
-
-
-def check_table_sizes(num_embeddings_per_feature: Sequence[int]) -> np.ndarray:
-    """The 26 table sizes as int64, or a ValueError."""
-    sizes = np.asarray(list(num_embeddings_per_feature))
-    if sizes.shape != (NUM_SPARSE,) or not np.issubdtype(sizes.dtype, np.integer) or (sizes <= 0).any():
-        raise ValueError(
-            f"num_embeddings_per_feature must be {NUM_SPARSE} positive table sizes, "
-            f"got {list(num_embeddings_per_feature)!r}"
-        )
-    return sizes.astype(np.int64)
 
 
 def find_days(

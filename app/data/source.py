@@ -7,13 +7,25 @@ rows with a few vectorised reads; the dataset decides which rows form each rank'
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-NUM_DENSE = 13
-NUM_SPARSE = 26
+NUM_DENSE = 13  # I1..I13
+NUM_SPARSE = 26  # C1..C26
+
+
+def check_table_sizes(num_embeddings_per_feature: Sequence[int]) -> np.ndarray:
+    """The 26 table sizes as int64 moduli for the categorical ids, or a ValueError."""
+    sizes = np.asarray(list(num_embeddings_per_feature))
+    if sizes.shape != (NUM_SPARSE,) or not np.issubdtype(sizes.dtype, np.integer) or (sizes <= 0).any():
+        raise ValueError(
+            f"num_embeddings_per_feature must be {NUM_SPARSE} positive table sizes, "
+            f"got {list(num_embeddings_per_feature)!r}"
+        )
+    return sizes.astype(np.int64)
 
 
 @dataclass

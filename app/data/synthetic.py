@@ -31,8 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-NUM_DENSE = 13
-NUM_SPARSE = 26
+from app.data.source import NUM_DENSE, NUM_SPARSE
 
 # The "world": change it and every generated file, and the planted signal, change.
 WORLD_SEED = 20_240_601

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from app.data.paths import DATA_SUFFIXES, expand_paths
+from app.data.source import check_table_sizes
 from app.data.tsv_format import (
     DENSE_NAMES,
     DENSE_TRANSFORMS,
@@ -247,7 +248,7 @@ def _check_arguments(
         raise ValueError(f"on_bad_rows must be one of {ON_BAD_ROWS}, got {on_bad_rows!r}")
     if dense_transform not in DENSE_TRANSFORMS:
         raise ValueError(f"dense_transform must be one of {DENSE_TRANSFORMS}, got {dense_transform!r}")
-    return _check_moduli(num_embeddings_per_feature)
+    return check_table_sizes(num_embeddings_per_feature)
 
 
 def default_num_threads() -> int:
@@ -266,13 +267,3 @@ def _check_threads(num_threads: int | None) -> int:
     if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)) or num_threads < 1:
         raise ValueError(f"num_threads must be a positive integer or None, got {num_threads!r}")
     return int(num_threads)
-
-
-def _check_moduli(num_embeddings_per_feature: Sequence[int]) -> np.ndarray:
-    moduli = np.asarray(num_embeddings_per_feature, dtype=np.int64)
-    if moduli.shape != (NUM_SPARSE,) or (moduli <= 0).any():
-        raise ValueError(
-            f"num_embeddings_per_feature must be {NUM_SPARSE} positive table sizes, "
-            f"got {list(num_embeddings_per_feature)!r}"
-        )
-    return moduli

@@ -12,10 +12,8 @@ from typing import Literal
 
 import numpy as np
 
-from app.data.source import RowBlock
+from app.data.source import NUM_DENSE, NUM_SPARSE, RowBlock
 
-NUM_DENSE = 13
-NUM_SPARSE = 26
 LABELLED_FIELDS = 1 + NUM_DENSE + NUM_SPARSE  # 40
 UNLABELLED_FIELDS = NUM_DENSE + NUM_SPARSE  # 39
 
