@@ -14,7 +14,10 @@ import logging
 import os
 import sys
 import warnings
+from typing import Any
 
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -27,13 +30,41 @@ _USER_ERRORS = (ValueError, FileNotFoundError)
 
 
 class DLRMCLI(LightningCLI):
-    """LightningCLI with the table sizes shared by data and model, and the app's callbacks always on."""
+    """LightningCLI with the table sizes shared by data and model, and the app's callbacks always on.
+
+    A run owns ``trainer.default_root_dir``: loggers without a ``save_dir`` and the checkpoint group
+    without a ``dirpath`` write under it (``checkpoints/``), so that one flag moves everything.
+    """
 
     def add_arguments_to_parser(self, parser) -> None:
         # The data hashes ids modulo the table sizes, so the model's tables must have exactly these sizes.
         parser.link_arguments("data.num_embeddings_per_feature", "model.num_embeddings_per_feature")
         parser.add_lightning_class_args(SamplesPerSecond, "throughput")
         parser.add_lightning_class_args(PredictionWriter, "prediction_writer")
+        # Checkpointing on by default, as its own group; off with --trainer.enable_checkpointing false.
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults({"checkpoint.save_last": True})
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        root = config.trainer.default_root_dir
+        if config.checkpoint.dirpath is None:
+            # Not Lightning's default (the first logger's version folder): a fixed folder per run, so
+            # that `--ckpt_path last` finds the run's checkpoints whatever the logger version.
+            config.checkpoint.dirpath = os.path.join(root, "checkpoints")
+        loggers = config.trainer.logger
+        for logger in loggers if isinstance(loggers, list) else [loggers]:
+            init_args = getattr(logger, "init_args", None)
+            if init_args is not None and "save_dir" in init_args and init_args.save_dir is None:
+                init_args.save_dir = root
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        if config.get("enable_checkpointing") is False:
+            callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+        trainer = super()._instantiate_trainer(config, callbacks)
+        if self.subcommand and hasattr(trainer.strategy, "requested_ckpt_path"):
+            trainer.strategy.requested_ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+        return trainer
 
 
 def _silence_known_library_noise() -> None:

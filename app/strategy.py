@@ -14,8 +14,8 @@ Life cycle inside ``Trainer.fit``:
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
@@ -38,6 +37,9 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.keyed import KeyedOptimizer
 
+from app import checkpoint as checkpoint_format
+from app.checkpoint import CheckpointInfo
+from app.plan_json import plan_to_json
 from app.optimizers import StepOnceCombinedOptimizer
 from app.sharding import (
     TableConstraint,
@@ -49,9 +51,6 @@ from app.sharding import (
     validate_fused_optimizer,
     validate_sharding_request,
 )
-
-_METADATA_FILE = "meta.pt"  # the non-tensor part of a checkpoint, written by rank 0
-
 
 class TorchRecStrategy(ParallelStrategy):
     """Shards the embedding tables of the LightningModule across all processes with TorchRec.
@@ -89,6 +88,9 @@ class TorchRecStrategy(ParallelStrategy):
         self._timeout = timedelta(seconds=timeout_s)
         self.num_nodes = 1
         self.sharding_plan: ShardingPlan | None = None
+        # The ckpt_path the run was given ("last", "best" or a path), set by the CLI: Lightning names the
+        # checkpoint to the strategy only after setup, but the plan must be chosen before (see _shard).
+        self.requested_ckpt_path: str | None = None
         self._dmp: DistributedModelParallel | None = None
 
     # ---- processes -------------------------------------------------------------------------
@@ -158,7 +160,12 @@ class TorchRecStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._reject_settings_fused_updates_cannot_honour(trainer)
-        self.model = self._shard(self.lightning_module, trainer.ckpt_path)
+        self.model = self._shard(self.lightning_module, self._checkpoint_to_load(trainer))
+        if self.is_global_zero and trainer.state.fn == TrainerFn.FITTING:
+            # The run folder records the plan it trained under, for a reader as much as for a tool.
+            path = Path(trainer.default_root_dir) / "sharding_plan.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(plan_to_json(self.sharding_plan), indent=1))
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -178,6 +185,16 @@ class TorchRecStrategy(ParallelStrategy):
                 "use bf16-mixed"
             )
 
+    def _checkpoint_to_load(self, trainer: Trainer) -> str | None:
+        if not self.requested_ckpt_path:
+            return None
+        # Lightning's own resolution of "last"/"best", so that the plan comes from the checkpoint that
+        # Lightning then loads (the callbacks' folders are known by now).
+        path = trainer._checkpoint_connector._parse_ckpt_path(
+            trainer.state.fn, self.requested_ckpt_path, model_provided=True, model_connected=True
+        )
+        return None if path is None else str(path)
+
     def _shard(self, module: LightningModule, checkpoint_path: str | None) -> DistributedModelParallel:
         if self._dmp is not None and self._dmp.module is module:
             return self._dmp  # a second trainer.validate()/test() after fit: already sharded
@@ -185,9 +202,11 @@ class TorchRecStrategy(ParallelStrategy):
         validate_sharding_request(self.sharding_types, self.table_constraints, self.root_device.type, tables)
         validate_fused_optimizer(module, self.root_device.type)
         sharders = default_sharders()
-        # A checkpoint's shards and optimizer keys only fit the plan they were written under, and the
-        # planner is not guaranteed to choose the same plan twice: reuse the saved one.
-        self.sharding_plan = self._plan_from_checkpoint(checkpoint_path) or plan_sharding(
+        # A checkpoint's shards and optimizer keys fit the plan they were written under, and the
+        # planner may choose differently between runs (ties between table- and column-wise): reuse it.
+        saved = self._checkpoint_info(checkpoint_path, module) if checkpoint_path else None
+        reuse = saved is not None and saved.world_size == self.world_size
+        self.sharding_plan = saved.sharding_plan if reuse else plan_sharding(
             module,
             world_size=self.world_size,
             local_world_size=self.num_processes,
@@ -199,7 +218,7 @@ class TorchRecStrategy(ParallelStrategy):
             batch_size_per_rank=None,
             process_group=dist.group.WORLD,
         )
-        source = f", as saved in {checkpoint_path}" if checkpoint_path else ""
+        source = f", as saved in {checkpoint_path}" if reuse else ""
         rank_zero_info(f"TorchRec sharding plan ({self.world_size} ranks{source}):\n{format_plan(self.sharding_plan)}")
         self._dmp = DistributedModelParallel(
             module,
@@ -209,17 +228,6 @@ class TorchRecStrategy(ParallelStrategy):
             sharders=sharders,
         )
         return self._dmp
-
-    def _plan_from_checkpoint(self, checkpoint_path: str | None) -> ShardingPlan | None:
-        if not checkpoint_path or not (Path(checkpoint_path) / _METADATA_FILE).is_file():
-            return None
-        metadata = torch.load(Path(checkpoint_path) / _METADATA_FILE, map_location="cpu", weights_only=False)
-        if metadata.get("world_size") != self.world_size:
-            raise ValueError(
-                f"{checkpoint_path} was written by {metadata.get('world_size')} processes; this run has "
-                f"{self.world_size}. Resuming under another world size is not supported yet (torchrec#2534)"
-            )
-        return metadata["sharding_plan"]
 
     def _device_memory_bytes(self) -> int | None:
         if self.root_device.type == "cuda":
@@ -269,8 +277,8 @@ class TorchRecStrategy(ParallelStrategy):
         self.accelerator.teardown()
 
     # ---- checkpoints -----------------------------------------------------------------------
-    # Every rank writes its own shards through torch.distributed.checkpoint into one directory;
-    # rank 0 adds the non-tensor metadata (loops, callbacks, hyper-parameters, the sharding plan).
+    # The format lives in app/checkpoint.py: every rank writes its own shards through
+    # torch.distributed.checkpoint; rank 0 adds the plain-data metadata and publishes the folder.
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         return getattr(optimizer, "_optimizer", optimizer).state_dict()
@@ -278,43 +286,32 @@ class TorchRecStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError("TorchRecStrategy.save_checkpoint does not take storage_options")
-        path = Path(self.broadcast(str(filepath)))
-        # Written next to the target and renamed into place once complete, so that a crash while
-        # saving never leaves a half-written checkpoint where `last` or the best one used to be.
-        staging = path.with_name(path.name + ".partial")
-        if self.is_global_zero and staging.exists():
-            shutil.rmtree(staging)
-        self.barrier()
-        tensors = {"state_dict": checkpoint.pop("state_dict")}
-        if "optimizer_states" in checkpoint:
-            tensors["optimizer_states"] = checkpoint.pop("optimizer_states")
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(staging))
-        if self.is_global_zero:
-            checkpoint["sharding_plan"] = self.sharding_plan
-            checkpoint["world_size"] = self.world_size
-            torch.save(checkpoint, staging / _METADATA_FILE)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
-            staging.rename(path)
-        self.barrier()
+        assert self.sharding_plan is not None
+        checkpoint_format.save(checkpoint, filepath, self, self.sharding_plan, self.world_size)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if not (path / _METADATA_FILE).is_file():
-            raise FileNotFoundError(f"{path} is not a checkpoint written by TorchRecStrategy (no {_METADATA_FILE})")
-        metadata = torch.load(path / _METADATA_FILE, map_location="cpu", weights_only=False)
-        tensors: dict[str, Any] = {"state_dict": self.lightning_module.state_dict()}
-        if self.optimizers:
-            for optimizer in self.optimizers:
-                optimizer.init_state()  # fused optimizer state is lazy: give DCP tensors to load into
-            tensors["optimizer_states"] = [optimizer.state_dict() for optimizer in self.optimizers]
-        dcp.load(tensors, checkpoint_id=path)
-        self.lightning_module.load_state_dict(tensors["state_dict"])
-        for optimizer, state in zip(self.optimizers, tensors.get("optimizer_states", [])):
-            optimizer.load_state_dict(state)
-        return metadata
+        # weights_only needs no switch here: nothing in a checkpoint is ever unpickled as code.
+        info = self._checkpoint_info(checkpoint_path, self.lightning_module)
+        optimizers = self.optimizers if "optimizer_states" in info.meta["tensor_keys"] else []
+        checkpoint_format.load_sharded_state(
+            info.path, self.lightning_module, optimizers, info.sharding_plan, self.sharding_plan
+        )
+        return info.meta
+
+    def _checkpoint_info(self, checkpoint_path: Any, module: LightningModule | None = None) -> CheckpointInfo:
+        """Rank 0 reads and checks the checkpoint; every rank gets the result or raises the same error."""
+        result: CheckpointInfo | str
+        if self.is_global_zero:
+            try:
+                result = checkpoint_format.read(checkpoint_path, module)
+            except ValueError as error:
+                result = str(error)
+        else:
+            result = ""
+        result = self.broadcast(result)
+        if isinstance(result, str):
+            raise ValueError(result)
+        return result
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # load_checkpoint has loaded the shards already
@@ -324,4 +321,4 @@ class TorchRecStrategy(ParallelStrategy):
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            self.checkpoint_io.remove_checkpoint(filepath)
+            checkpoint_format.remove(filepath)

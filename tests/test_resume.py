@@ -13,15 +13,15 @@ def test_resuming_mid_epoch_reproduces_the_uninterrupted_run(sample, tmp_path):
     args = fit_args(sample, tmp_path, "table_wise", 64)
     args[args.index("--trainer.enable_checkpointing") + 1] = "true"
     every_7_steps = [
-        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-        "--trainer.callbacks.dirpath", str(checkpoints),
-        "--trainer.callbacks.filename", "{step}",
-        "--trainer.callbacks.every_n_train_steps", "7",
-        "--trainer.callbacks.save_top_k", "-1",
+        "--checkpoint.filename", "{step}",
+        "--checkpoint.every_n_train_steps", "7",
+        "--checkpoint.save_top_k", "-1",
+        "--checkpoint.monitor", "null",
+        "--checkpoint.save_last", "false",
     ]  # fmt: skip
     uninterrupted = run_on_ranks(2, args + every_7_steps, tmp_path, shards_and_predictions)
     # 12 steps per epoch: step 7 is in the middle of the first epoch, step 14 in the second.
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step=14.ckpt", "step=21.ckpt", "step=7.ckpt"]
+    assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["step=14.ckpt", "step=21.ckpt", "step=7.ckpt"]
 
     for step in (7, 14):
         resumed = run_on_ranks(

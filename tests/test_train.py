@@ -41,7 +41,6 @@ def common_args(root: Path, data: Path) -> list[str]:
         "--data.predict", str(data / "predict.tsv"),
         "--data.batch_size", "512",
         "--trainer.default_root_dir", str(root),
-        "--trainer.callbacks.init_args.dirpath", str(root / "checkpoints"),
         "--trainer.enable_progress_bar", "false",
     ]  # fmt: skip
 
@@ -85,11 +84,11 @@ def test_fit_prints_the_sharding_plan(trained):
 
 def test_checkpoint_holds_every_ranks_shards_and_restores_exactly(trained):
     root = trained["root"]
-    best, last = sorted(p.name for p in (root / "checkpoints").iterdir())
+    best, last = sorted(p.name for p in (root / "checkpoints").glob("*.ckpt"))
     assert best in ("epoch=0-step=40.ckpt", "epoch=1-step=80.ckpt") and last == "last.ckpt"  # top-1 by val/auc
     checkpoint = root / "checkpoints" / "last.ckpt"
-    assert checkpoint.is_dir()
-    assert sorted(p.name for p in checkpoint.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    assert checkpoint.is_symlink() and checkpoint.is_dir()
+    assert sorted(p.name for p in checkpoint.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json"]
 
     result = run_app("validate", *trained["args"], "--trainer.logger", "false", "--ckpt_path", str(checkpoint))
     assert result.returncode == 0, result.stderr[-4000:]

@@ -1,0 +1,336 @@
+"""The on-disk checkpoint format: writing, atomically publishing, validating and reading a checkpoint.
+
+A checkpoint named ``NAME`` (``last.ckpt``, ``epoch=1-step=80.ckpt``) is a symbolic link to a
+folder ``.NAME.<token>`` beside it, which holds:
+
+    .metadata, __<rank>_0.distcp   every rank's shards of the model and optimizer state (DCP)
+    meta.json                      plain data: loops, callbacks, hyper-parameters, the sharding
+                                   plan, world size, versions; written last, by rank 0, so that
+                                   its presence marks the folder complete
+
+Publishing a new checkpoint under an existing name writes a fresh folder and swaps the link with
+one ``rename`` (atomic on POSIX): a reader sees either the old complete checkpoint or the new one,
+never none, and a crash at any point leaves the previous checkpoint in place. A plain folder with
+the same content (a copy made with ``cp -rL``) loads as well.
+
+Safe loading: nothing is unpickled as code. meta.json is JSON; DCP's shard files are read with
+``torch.load(weights_only=True)`` by DCP itself; DCP's ``.metadata`` index is a pickle, read here
+with an unpickler that admits only DCP's own metadata classes (DCP has no safe reader of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torchrec.distributed.types import ShardingPlan
+
+from app.plan_json import plan_from_json, plan_to_json
+
+META_FILE = "meta.json"  # written last: a folder without it is incomplete
+DCP_INDEX_FILE = ".metadata"
+FORMAT_VERSION = 1
+_TENSOR_KEYS = ("state_dict", "optimizer_states")  # what goes through DCP; everything else is meta.json
+
+
+class Collectives(Protocol):
+    """What saving needs from the strategy: rank 0 decides, every rank follows."""
+
+    @property
+    def is_global_zero(self) -> bool: ...
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...
+
+    def barrier(self, name: str | None = None) -> None: ...
+
+
+@dataclass
+class CheckpointInfo:
+    """What rank 0 read and checked in a checkpoint before any rank loads its shards."""
+
+    path: str  # the folder holding the files (the link resolved)
+    meta: dict[str, Any]  # Lightning's checkpoint dict without its tensors, plus the fields below
+    sharding_plan: ShardingPlan
+    world_size: int
+
+
+# ---- writing ---------------------------------------------------------------------------------
+
+
+def save(checkpoint: dict[str, Any], path: str | os.PathLike, collectives: Collectives, plan: ShardingPlan, world_size: int) -> None:
+    """Writes Lightning's ``checkpoint`` dict to ``path`` from every rank and publishes it atomically."""
+    link = Path(collectives.broadcast(str(path)))
+    token = collectives.broadcast(uuid.uuid4().hex[:12])
+    folder = link.parent / f".{link.name}.{token}"
+    if collectives.is_global_zero:
+        folder.mkdir(parents=True)
+    collectives.barrier()
+    tensors = {key: checkpoint[key] for key in _TENSOR_KEYS if key in checkpoint}
+    # dcp.save gathers every rank's result: a failure on one rank raises on all, no rank hangs.
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder))
+    collectives.barrier()  # every rank's shards are on disk
+    if collectives.is_global_zero:
+        meta = {key: value for key, value in checkpoint.items() if key not in _TENSOR_KEYS}
+        meta["tensor_keys"] = sorted(tensors)
+        meta["sharding_plan"] = plan_to_json(plan)
+        meta["world_size"] = world_size
+        meta["format_version"] = FORMAT_VERSION
+        meta["versions"] = _library_versions()
+        _write_file_durably(folder / META_FILE, json.dumps(to_json_data(meta), indent=1).encode())
+        _publish(folder, link)
+    collectives.barrier()
+
+
+def _write_file_durably(path: Path, data: bytes) -> None:
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(partial, path)
+    _fsync_folder(path.parent)
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(folder: Path, link: Path) -> None:
+    """Points ``link`` at ``folder`` in one rename, then removes what the link pointed at before."""
+    new_link = link.with_name(f".{link.name}.link-{folder.name.rsplit('.', 1)[-1]}")
+    os.symlink(folder.name, new_link)
+    if link.is_dir() and not link.is_symlink():
+        # A plain folder (the layout before links) cannot be replaced by a rename: move it aside.
+        link.rename(link.with_name(f".{link.name}.replaced-{folder.name.rsplit('.', 1)[-1]}"))
+    os.replace(new_link, link)
+    _fsync_folder(link.parent)
+    _remove_unlinked_folders(link)
+
+
+def _remove_unlinked_folders(link: Path) -> None:
+    # Folders of ``link``'s name it no longer points at: the previous checkpoint, and any left by a
+    # save that crashed before it published.
+    current = os.readlink(link) if link.is_symlink() else None
+    for folder in link.parent.glob(f".{_glob_escape(link.name)}.*"):
+        if folder.name != current:
+            shutil.rmtree(folder) if folder.is_dir() and not folder.is_symlink() else folder.unlink()
+
+
+def _glob_escape(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def remove(path: str | os.PathLike) -> None:
+    """Removes a checkpoint: its link and the folder it points at (call on one rank)."""
+    link = Path(path)
+    if link.is_symlink():
+        link.unlink()
+        _remove_unlinked_folders(link)
+    elif link.is_dir():
+        shutil.rmtree(link)
+    elif link.exists():
+        link.unlink()
+
+
+def _library_versions() -> dict[str, str]:
+    import lightning
+    import torchrec
+
+    return {"torch": torch.__version__, "torchrec": torchrec.__version__, "lightning": lightning.__version__}
+
+
+# ---- plain data --------------------------------------------------------------------------------
+# Lightning's checkpoint dict holds a few tensors outside the model (ModelCheckpoint's scores) and
+# dicts with non-string keys; JSON holds neither, so both are tagged.
+
+
+def to_json_data(value: Any, where: str = "checkpoint") -> Any:
+    """``value`` as str/int/float/bool/None/list/dict data; tensors and non-string keys tagged."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu()
+        return {"__tensor__": {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+                               "values": tensor.flatten().tolist()}}  # fmt: skip
+    if isinstance(value, (list, tuple)):
+        return [to_json_data(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, dict):
+        if all(isinstance(key, str) for key in value):
+            return {key: to_json_data(item, f"{where}.{key}") for key, item in value.items()}
+        return {"__items__": [[to_json_data(k, where), to_json_data(v, f"{where}[{k!r}]")] for k, v in value.items()]}
+    raise ValueError(f"{where}: a {type(value).__name__} cannot be stored in a checkpoint's {META_FILE}")
+
+
+def from_json_data(value: Any) -> Any:
+    """The inverse of :func:`to_json_data` (tuples come back as lists)."""
+    if isinstance(value, list):
+        return [from_json_data(item) for item in value]
+    if not isinstance(value, dict):
+        return value
+    if set(value) == {"__tensor__"}:
+        spec = value["__tensor__"]
+        return torch.tensor(spec["values"], dtype=getattr(torch, spec["dtype"])).reshape(spec["shape"])
+    if set(value) == {"__items__"}:
+        return {_hashable(from_json_data(k)): from_json_data(v) for k, v in value["__items__"]}
+    return {key: from_json_data(item) for key, item in value.items()}
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(key) if isinstance(key, list) else key
+
+
+# ---- reading and checking ---------------------------------------------------------------------
+
+
+def read(path: str | os.PathLike, module: nn.Module | None = None) -> CheckpointInfo:
+    """Reads ``path``'s metadata and checks that the checkpoint is complete and, given the unsharded
+    ``module``, that it fits it. Raises ValueError naming the path and what is wrong."""
+    link = Path(path)
+    if not link.exists():
+        broken = " (a link to a folder that is gone)" if link.is_symlink() else ""
+        raise ValueError(f"ckpt_path {path}: no such checkpoint{broken}")
+    folder = link.resolve()
+    if not folder.is_dir() or not (folder / META_FILE).is_file():
+        what = "a file" if folder.is_file() else "a folder without " + META_FILE
+        raise ValueError(
+            f"ckpt_path {path}: not a complete checkpoint of this app ({what}); "
+            "checkpoints are folders written by `python -m app fit`"
+        )
+    try:
+        meta = from_json_data(json.loads((folder / META_FILE).read_text()))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"ckpt_path {path}: {META_FILE} is truncated or corrupted ({error})") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"ckpt_path {path}: checkpoint format {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+    index = _read_dcp_index(path, folder)
+    _check_shard_files(path, folder, index)
+    if module is not None:
+        check_fits_model(path, index, meta, module)
+    return CheckpointInfo(
+        path=str(folder), meta=meta, sharding_plan=plan_from_json(meta["sharding_plan"]), world_size=meta["world_size"]
+    )
+
+
+class _DcpIndexUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata dataclasses and torch's dtype/layout/Size: nothing that runs code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.startswith("torch.distributed.checkpoint.") or (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
+
+
+_SAFE_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
+
+
+def _read_dcp_index(path: str | os.PathLike, folder: Path) -> Metadata:
+    try:
+        with open(folder / DCP_INDEX_FILE, "rb") as f:
+            return _DcpIndexUnpickler(f).load()
+    except FileNotFoundError:
+        raise ValueError(f"ckpt_path {path}: {DCP_INDEX_FILE} (the shard index) is missing") from None
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as error:
+        raise ValueError(f"ckpt_path {path}: {DCP_INDEX_FILE} (the shard index) is unreadable ({error})") from None
+
+
+def _check_shard_files(path: str | os.PathLike, folder: Path, index: Metadata) -> None:
+    needed_bytes: dict[str, int] = {}
+    for info in (index.storage_data or {}).values():
+        end = info.offset + info.length
+        needed_bytes[info.relative_path] = max(needed_bytes.get(info.relative_path, 0), end)
+    for name, size in sorted(needed_bytes.items()):
+        shard = folder / name
+        if not shard.is_file():
+            raise ValueError(f"ckpt_path {path}: shard file {name} is missing (incomplete copy?)")
+        if shard.stat().st_size < size:
+            raise ValueError(f"ckpt_path {path}: shard file {name} is truncated ({shard.stat().st_size} of {size} bytes)")
+
+
+def check_fits_model(path: str | os.PathLike, index: Metadata, meta: dict[str, Any], module: nn.Module) -> None:
+    """Raises ValueError when the checkpoint's model tensors differ from ``module``'s in names or shapes."""
+    saved = {
+        key.removeprefix("state_dict."): list(entry.size)
+        for key, entry in index.state_dict_metadata.items()
+        if key.startswith("state_dict.") and isinstance(entry, TensorStorageMetadata)
+    }
+    here = {key: list(value.shape) for key, value in module.state_dict().items() if isinstance(value, torch.Tensor)}
+    problems = [f"{key} is {saved[key]} there, {here[key]} here" for key in sorted(saved.keys() & here.keys()) if saved[key] != here[key]]
+    problems += [f"{key} only there" for key in sorted(saved.keys() - here.keys())]
+    problems += [f"{key} only here" for key in sorted(here.keys() - saved.keys())]
+    if not problems:
+        return
+    shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+    hparams = _differing_hyper_parameters(meta.get("hyper_parameters") or {}, getattr(module, "hparams", {}))
+    raise ValueError(f"ckpt_path {path} does not fit this model: {shown}{hparams}")
+
+
+def _differing_hyper_parameters(saved: dict[str, Any], here: Any) -> str:
+    differing = [
+        f"model.{key}: {saved[key]!r} there, {here[key]!r} here"
+        for key in sorted(saved)
+        if key in here and from_json_data(to_json_data(here[key])) != saved[key]
+    ]
+    return (" (hyper-parameters that differ: " + "; ".join(differing) + ")") if differing else ""
+
+
+# ---- loading -------------------------------------------------------------------------------------
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader with the index read by :class:`_DcpIndexUnpickler` instead of ``pickle.load``."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with open(Path(self.path) / DCP_INDEX_FILE, "rb") as f:
+            metadata = _DcpIndexUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def load_sharded_state(
+    checkpoint_dir: str | os.PathLike,
+    module: nn.Module,
+    optimizers: list[Any],
+    saved_plan: ShardingPlan,
+    current_plan: ShardingPlan | None,
+) -> None:
+    """Loads the DCP tensors of ``checkpoint_dir`` into the sharded ``module`` and its ``optimizers``.
+
+    Every rank reads the pieces of the saved shards that overlap its own. ``saved_plan`` is the plan
+    the checkpoint was written under, ``current_plan`` the one ``module`` is sharded with.
+    """
+    if current_plan is None or plan_to_json(saved_plan) != plan_to_json(current_plan):
+        # The fused optimizer's state keys and shapes follow the plan (torchrec#2394).
+        raise ValueError(
+            f"ckpt_path {checkpoint_dir} was written under another sharding plan or number of processes than "
+            "this run's; loading into another plan is not supported yet (torchrec#2534)"
+        )
+    tensors: dict[str, Any] = {"state_dict": module.state_dict()}
+    if optimizers:
+        for optimizer in optimizers:
+            optimizer.init_state()  # fused optimizer state is lazy: give DCP tensors to load into
+        tensors["optimizer_states"] = [optimizer.state_dict() for optimizer in optimizers]
+    dcp.load(tensors, storage_reader=SafeFileSystemReader(checkpoint_dir))
+    module.load_state_dict(tensors["state_dict"])
+    for optimizer, state in zip(optimizers, tensors.get("optimizer_states", [])):
+        optimizer.load_state_dict(state)
+
