@@ -24,6 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from app.callbacks import PredictionWriter, SamplesPerSecond
 from app.data.datamodule import CriteoDataModule
 from app.module import DLRMModule
+from app.preemption import SaveOnSignal
 
 # Errors a user causes with a setting or a file: shown as one line, not a traceback.
 _USER_ERRORS = (ValueError, FileNotFoundError)
@@ -44,6 +45,7 @@ class DLRMCLI(LightningCLI):
         # Checkpointing on by default, as its own group; off with --trainer.enable_checkpointing false.
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True})
+        parser.add_lightning_class_args(SaveOnSignal, "save_on_signal")
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config

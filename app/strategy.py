@@ -304,7 +304,7 @@ class TorchRecStrategy(ParallelStrategy):
         if self.is_global_zero:
             try:
                 result = checkpoint_format.read(checkpoint_path, module)
-            except ValueError as error:
+            except (ValueError, OSError) as error:  # as a message: the other ranks wait for one
                 result = str(error)
         else:
             result = ""

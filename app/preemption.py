@@ -1,0 +1,91 @@
+"""Save a complete checkpoint when the scheduler pre-empts the job (SIGTERM, SIGUSR1), then stop.
+
+SLURM sends the signal named by ``#SBATCH --signal=SIGUSR1@90`` 90 s before the end of the
+allocation; Kubernetes and ``scancel`` send SIGTERM. Lightning's own handlers do not fit a sharded
+checkpoint: its SIGUSR1 handler saves from inside the signal handler (a collective there deadlocks
+when the signal reaches only some ranks) and its SIGTERM handler exits without saving. Here the
+handler only records the signal; after each training batch all ranks agree (an all-reduce of "did
+any rank get a signal") and then every rank takes part in the save, at a batch boundary, so the
+checkpoint resumes exactly at the next batch.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+_SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1}
+
+
+class SaveOnSignal(Callback):
+    """On SIGTERM or SIGUSR1 (to any rank) every rank saves ``last.ckpt`` after the current batch, then fit stops.
+
+    The checkpoint goes into the checkpoint group's folder (``<default_root_dir>/checkpoints``), where
+    ``--ckpt_path last`` finds it.
+
+    Args:
+        signals: the signals that trigger the save (SIGTERM, SIGUSR1); an empty list turns it off.
+    """
+
+    def __init__(self, signals: list[str] = ["SIGTERM", "SIGUSR1"]) -> None:
+        unknown = sorted(set(signals) - set(_SIGNALS))
+        if unknown:
+            raise ValueError(f"save_on_signal.signals: {unknown} unknown; choose from {sorted(_SIGNALS)}")
+        self.signals = list(signals)
+        self._received: int = 0  # the signal number, 0 while none arrived
+        self._previous_handlers: dict[int, Any] = {}
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Installed here because Lightning installs its own handlers after the setup hooks.
+        self._received = 0
+        for name in self.signals:
+            self._previous_handlers[_SIGNALS[name]] = signal.signal(_SIGNALS[name], self._record)
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        self._received = signum
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._previous_handlers or not self._any_rank_received(trainer):
+            return
+        path = self._checkpoint_path(trainer)
+        trainer.save_checkpoint(path)
+        name = signal.Signals(self._received).name if self._received else "a signal on another rank"
+        rank_zero_info(f"{name}: saved {path} at step {trainer.global_step}; stopping (resume with --ckpt_path last)")
+        trainer.should_stop = True
+        self._restore_handlers()
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._restore_handlers()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._restore_handlers()
+
+    def _any_rank_received(self, trainer: Trainer) -> bool:
+        # A signal may reach only some ranks (kill PID, a node-local agent): the ranks must agree.
+        received = torch.tensor([1 if self._received else 0], device=trainer.strategy.root_device)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(received, op=dist.ReduceOp.MAX)
+        return bool(received.item())
+
+    @staticmethod
+    def _checkpoint_path(trainer: Trainer) -> str:
+        callback = trainer.checkpoint_callback
+        folder = callback.dirpath if isinstance(callback, ModelCheckpoint) and callback.dirpath else None
+        folder = folder or os.path.join(trainer.default_root_dir, "checkpoints")
+        return str(Path(folder) / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}")
+
+    def _restore_handlers(self) -> None:
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers = {}
