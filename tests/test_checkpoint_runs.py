@@ -1,0 +1,171 @@
+"""Checkpoints through `python -m app` as a user runs it (Lightning's launcher, 2 CPU processes):
+SIGKILL of the whole job and `--ckpt_path last` give the uninterrupted run's result bit for bit; a
+pre-emption signal to one rank saves a complete checkpoint on every rank; a bad checkpoint stops
+every rank with one message; each run owns its folder."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from app import checkpoint as checkpoint_format
+from test_train import run_app
+
+TIMEOUT_S = 300
+
+
+def fit_args(sample: dict[str, Path], root: Path) -> list[str]:
+    """A tiny model, 12 steps per epoch, 3 epochs, last.ckpt every 4 steps, both loggers."""
+    return [
+        "fit", "--config", "configs/demo.yaml",
+        "--data.train", str(sample["train"]), "--data.val", str(sample["val"]),
+        "--data.test", "null", "--data.predict", "null",
+        "--data.batch_size", "64", "--data.num_embeddings_per_feature", "500",
+        "--model.embedding_dim", "8", "--model.dense_arch_layer_sizes", "[16, 8]",
+        "--model.over_arch_layer_sizes", "[16, 1]",
+        "--trainer.max_epochs", "3", "--trainer.enable_progress_bar", "false",
+        "--trainer.default_root_dir", str(root),
+        "--checkpoint.every_n_train_steps", "4", "--checkpoint.monitor", "null", "--checkpoint.save_top_k", "0",
+    ]  # fmt: skip
+
+
+def start_app(args: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(Path.cwd())}
+    # A session of its own, so that the test can kill the whole job (both ranks) at once.
+    return subprocess.Popen(
+        [sys.executable, "-m", "app", *args], env=env, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def last_step(root: Path) -> int:
+    """The global step of the published last.ckpt (-1 while none)."""
+    try:
+        return json.loads((root / "checkpoints" / "last.ckpt" / "meta.json").read_text())["global_step"]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return -1
+
+
+def wait_for_step(process: subprocess.Popen, root: Path, step: int) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while last_step(root) < step:
+        assert process.poll() is None, process.stdout.read()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def weights(root: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    single_file = tmp_path / f"{root.name}.pt"
+    dcp_to_torch_save(root / "checkpoints" / "last.ckpt", single_file)
+    return torch.load(single_file, weights_only=True)["state_dict"]
+
+
+def final_val_metrics(root: Path) -> dict[str, str]:
+    rows = []
+    for path in sorted(root.glob("csv/version_*/metrics.csv")):
+        with path.open() as f:
+            rows += [row for row in csv.DictReader(f) if row.get("val/auc")]
+    return {k: v for k, v in rows[-1].items() if k.startswith("val/")}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(sample, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("uninterrupted")
+    result = run_app(*fit_args(sample, root))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return root
+
+
+def test_sigkill_of_the_job_and_resume_from_last_is_bit_identical(uninterrupted, sample, tmp_path):
+    root = tmp_path / "killed"
+    job = start_app(fit_args(sample, root))
+    wait_for_step(job, root, 16)  # mid-epoch of the second epoch (12 steps per epoch)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait(timeout=30)
+    assert job.returncode == -signal.SIGKILL
+    killed_at = last_step(root)
+    assert 16 <= killed_at < 36, killed_at
+
+    resumed = run_app(*fit_args(sample, root), "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"Restoring states from the checkpoint path at {root / 'checkpoints' / 'last.ckpt'}" in resumed.stdout + resumed.stderr
+
+    expected, actual = weights(uninterrupted, tmp_path), weights(root, tmp_path)
+    assert expected.keys() == actual.keys()
+    for key in expected:
+        assert torch.equal(expected[key], actual[key]), key
+    assert final_val_metrics(root) == final_val_metrics(uninterrupted)
+
+
+def test_two_runs_with_their_own_root_share_no_file(uninterrupted, tmp_path):
+    # The killed/resumed run above and this fixture's run wrote under their own roots only.
+    files = sorted(p.relative_to(uninterrupted).as_posix() for p in uninterrupted.rglob("*") if p.is_file())
+    assert "sharding_plan.json" in files and "csv/version_0/metrics.csv" in files
+    assert "csv/version_0/config.yaml" in files and any(f.startswith("tensorboard/version_0/events") for f in files)
+    assert any(f.startswith("checkpoints/.last.ckpt.") and f.endswith("meta.json") for f in files)
+    assert not (Path.cwd() / "lightning_logs").exists()
+
+
+def test_sigusr1_to_one_rank_saves_on_every_rank_and_stops(sample, tmp_path):
+    root = tmp_path / "preempted"
+    job = start_app(fit_args(sample, root) + ["--trainer.max_epochs", "50"])
+    wait_for_step(job, root, 4)
+    ranks = [job.pid] + children(job.pid)
+    assert len(ranks) >= 2, ranks
+    os.kill(ranks[-1], signal.SIGUSR1)  # only the second rank hears it
+    output, _ = job.communicate(timeout=TIMEOUT_S)
+    assert job.returncode == 0, output[-3000:]
+    assert "saved" in output and "stopping (resume with --ckpt_path last)" in output, output[-3000:]
+    info = checkpoint_format.read(root / "checkpoints" / "last.ckpt")
+    assert 4 <= info.meta["global_step"] < 50 * 12
+    assert info.world_size == 2
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.parametrize(
+    "how, message",
+    [
+        ("missing", "no such checkpoint"),
+        ("missing_shard", "shard file __1_0.distcp is missing"),
+        ("other_tables", "does not fit this model: model.sparse_arch.embedding_bag_collection.embedding_bags.t_cat_0.weight is [500, 8] there, [400, 8] here"),
+    ],
+)  # fmt: skip
+def test_a_bad_checkpoint_stops_every_rank_with_one_message(how, message, uninterrupted, sample, tmp_path):
+    import shutil
+
+    path = tmp_path / "copy.ckpt"
+    extra = []
+    if how != "missing":
+        shutil.copytree(uninterrupted / "checkpoints" / "last.ckpt", path)
+    if how == "missing_shard":
+        (path / "__1_0.distcp").unlink()
+    if how == "other_tables":
+        extra = ["--data.num_embeddings_per_feature", "400"]
+    args = fit_args(sample, tmp_path / "run") + extra + ["--ckpt_path", str(path)]
+    started = time.monotonic()
+    result = run_app("validate", *args[1:])
+    assert time.monotonic() - started < 120
+    assert result.returncode != 0
+    assert f"error: ckpt_path {path}" in result.stderr and message in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
