@@ -86,20 +86,26 @@ def uninterrupted(sample, tmp_path_factory) -> Path:
     return root
 
 
-def test_sigkill_of_the_job_and_resume_from_last_is_bit_identical(uninterrupted, sample, tmp_path):
-    root = tmp_path / "killed"
+@pytest.fixture(scope="module")
+def killed_and_resumed(sample, tmp_path_factory) -> tuple[Path, str]:
+    """The same run SIGKILLed (both ranks at once) after step 16 was checkpointed, then resumed from last."""
+    root = tmp_path_factory.mktemp("killed")
     job = start_app(fit_args(sample, root))
-    wait_for_step(job, root, 16)  # mid-epoch of the second epoch (12 steps per epoch)
+    wait_for_step(job, root, 16)  # the second epoch (12 steps per epoch); the kill lands a few steps later
     os.killpg(job.pid, signal.SIGKILL)
     job.wait(timeout=30)
     assert job.returncode == -signal.SIGKILL
     killed_at = last_step(root)
     assert 16 <= killed_at < 36, killed_at
-
     resumed = run_app(*fit_args(sample, root), "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"Restoring states from the checkpoint path at {root / 'checkpoints' / 'last.ckpt'}" in resumed.stdout + resumed.stderr
+    return root, resumed.stdout + resumed.stderr
 
+
+def test_sigkill_of_the_job_and_resume_from_last_is_bit_identical(uninterrupted, killed_and_resumed, tmp_path):
+    root, log = killed_and_resumed
+    assert f"Restoring states from the checkpoint path at {root / 'checkpoints' / 'last.ckpt'}" in log
+    assert f"TorchRec sharding plan (2 ranks, as saved in {root / 'checkpoints' / 'last.ckpt'})" in log
     expected, actual = weights(uninterrupted, tmp_path), weights(root, tmp_path)
     assert expected.keys() == actual.keys()
     for key in expected:
@@ -107,13 +113,18 @@ def test_sigkill_of_the_job_and_resume_from_last_is_bit_identical(uninterrupted,
     assert final_val_metrics(root) == final_val_metrics(uninterrupted)
 
 
-def test_two_runs_with_their_own_root_share_no_file(uninterrupted, tmp_path):
-    # The killed/resumed run above and this fixture's run wrote under their own roots only.
-    files = sorted(p.relative_to(uninterrupted).as_posix() for p in uninterrupted.rglob("*") if p.is_file())
-    assert "sharding_plan.json" in files and "csv/version_0/metrics.csv" in files
-    assert "csv/version_0/config.yaml" in files and any(f.startswith("tensorboard/version_0/events") for f in files)
-    assert any(f.startswith("checkpoints/.last.ckpt.") and f.endswith("meta.json") for f in files)
-    assert not (Path.cwd() / "lightning_logs").exists()
+def test_two_runs_with_their_own_root_share_no_file(uninterrupted, killed_and_resumed):
+    roots = (uninterrupted, killed_and_resumed[0])
+    files = [{p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()} for root in roots]
+    for root, written in zip(roots, files):
+        assert {"sharding_plan.json", "csv/version_0/metrics.csv", "csv/version_0/config.yaml"} <= written
+        assert any(f.startswith("tensorboard/version_0/events") for f in written)
+        assert any(f.startswith("checkpoints/.last.ckpt.") and f.endswith("meta.json") for f in written)
+        # The saved config names this run's folder, so a resumed run writes into it again.
+        assert f"default_root_dir: {root}" in (root / "csv/version_0/config.yaml").read_text()
+    # The resumed run added a log version beside the killed one, and overwrote nothing of the other run.
+    assert "csv/version_1/metrics.csv" in files[1] and "csv/version_1/metrics.csv" not in files[0]
+    assert not roots[0].is_relative_to(roots[1]) and not roots[1].is_relative_to(roots[0])
 
 
 def test_sigusr1_to_one_rank_saves_on_every_rank_and_stops_keeping_the_newest_two(sample, tmp_path):

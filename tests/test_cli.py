@@ -42,6 +42,16 @@ def test_fit_help_documents_the_arguments(capsys):
     assert "--model.embedding_dim" in out and "the width of every embedding table" in out
     assert "--data.batch_size" in out and "rows per batch on each process" in out
     assert "--data.train" in out and "a glob, a directory" in out
+    assert "--checkpoint.every_n_train_steps" in out and "--checkpoint.save_top_k" in out
+    assert "--save_on_signal.signals" in out and "the signals that trigger the save" in out
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_configs_name_no_output_path_but_the_run_folder(config):
+    # Loggers and checkpoints follow trainer.default_root_dir, so --trainer.default_root_dir moves all.
+    settings = [line.split("#")[0] for line in config.read_text().splitlines()]
+    lines = [line for line in settings if "runs/" in line or "save_dir" in line or "dirpath" in line]
+    assert all(line.strip().startswith("default_root_dir: runs/") for line in lines), lines
 
 
 @pytest.mark.parametrize(
