@@ -67,7 +67,9 @@ class CheckpointInfo:
 # ---- writing ---------------------------------------------------------------------------------
 
 
-def save(checkpoint: dict[str, Any], path: str | os.PathLike, collectives: Collectives, plan: ShardingPlan, world_size: int) -> None:
+def save(
+    checkpoint: dict[str, Any], path: str | os.PathLike, collectives: Collectives, plan: ShardingPlan, world_size: int
+) -> None:
     """Writes Lightning's ``checkpoint`` dict to ``path`` from every rank and publishes it atomically."""
     link = Path(collectives.broadcast(str(path)))
     token = collectives.broadcast(uuid.uuid4().hex[:12])
@@ -217,7 +219,8 @@ def read(path: str | os.PathLike, module: nn.Module | None = None) -> Checkpoint
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"ckpt_path {path}: {META_FILE} is truncated or corrupted ({error})") from None
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"ckpt_path {path}: checkpoint format {meta.get('format_version')!r}, expected {FORMAT_VERSION}")
+        found = meta.get("format_version")
+        raise ValueError(f"ckpt_path {path}: checkpoint format {found!r}, this app reads format {FORMAT_VERSION}")
     index = _read_dcp_index(path, folder)
     _check_shard_files(path, folder, index)
     if module is not None:
@@ -233,12 +236,20 @@ class _DcpIndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module.startswith("torch.distributed.checkpoint.") or (module, name) in _SAFE_GLOBALS:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(getattr(torch, name, None), _SAFE_TORCH_TYPES):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
 
 
-_SAFE_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
+_SAFE_TORCH_TYPES = (torch.dtype, torch.layout, torch.memory_format)
+_SAFE_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
 
 
 def _read_dcp_index(path: str | os.PathLike, folder: Path) -> Metadata:
@@ -261,7 +272,8 @@ def _check_shard_files(path: str | os.PathLike, folder: Path, index: Metadata) -
         if not shard.is_file():
             raise ValueError(f"ckpt_path {path}: shard file {name} is missing (incomplete copy?)")
         if shard.stat().st_size < size:
-            raise ValueError(f"ckpt_path {path}: shard file {name} is truncated ({shard.stat().st_size} of {size} bytes)")
+            found_bytes = shard.stat().st_size
+            raise ValueError(f"ckpt_path {path}: shard file {name} is truncated ({found_bytes} of {size} bytes)")
 
 
 def check_fits_model(path: str | os.PathLike, index: Metadata, meta: dict[str, Any], module: nn.Module) -> None:
@@ -272,7 +284,8 @@ def check_fits_model(path: str | os.PathLike, index: Metadata, meta: dict[str, A
         if key.startswith("state_dict.") and isinstance(entry, TensorStorageMetadata)
     }
     here = {key: list(value.shape) for key, value in module.state_dict().items() if isinstance(value, torch.Tensor)}
-    problems = [f"{key} is {saved[key]} there, {here[key]} here" for key in sorted(saved.keys() & here.keys()) if saved[key] != here[key]]
+    both = sorted(saved.keys() & here.keys())
+    problems = [f"{key} is {saved[key]} there, {here[key]} here" for key in both if saved[key] != here[key]]
     problems += [f"{key} only there" for key in sorted(saved.keys() - here.keys())]
     problems += [f"{key} only here" for key in sorted(here.keys() - saved.keys())]
     if not problems:
