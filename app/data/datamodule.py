@@ -14,7 +14,7 @@ from app.data.loader import ResumableBatchLoader
 from app.data.source import RowSource
 from app.data.splits import SplitName, named_split
 from app.data.tsv import expand_paths
-from app.data.tsv_format import DenseTransform, OnBadRows
+from app.data.tsv import DenseTransform, OnBadRows
 from app.model.tables import expand_table_sizes
 
 PathSpec = str | list[str]

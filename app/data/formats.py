@@ -12,7 +12,7 @@ from app.data.multi_hot import MultiHotDaysSource
 from app.data.numpy_days import NumpyDaysSource
 from app.data.source import RowSource
 from app.data.tsv import CriteoArrays, expand_paths, read_tsv_files
-from app.data.tsv_format import DenseTransform, OnBadRows
+from app.data.tsv import DenseTransform, OnBadRows
 
 DataFormat = Literal["auto", "tsv", "numpy", "multi_hot"]
 
