@@ -144,7 +144,7 @@ def main() -> None:
 
         out = Path(tmp) / "npy"
         start = time.perf_counter()
-        preprocess(["--input", str(tsv), "--output", str(out), "--workers", "1"])
+        preprocess(["--input", str(tsv), "--output", str(out), "--workers", "1", "--progress", "false"])
         preprocess_s = time.perf_counter() - start
         per_core = args.rows / preprocess_s
         assembly = numpy_batches_per_second(out, args.batch_size, table_sizes)

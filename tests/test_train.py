@@ -175,7 +175,7 @@ def day_folders(tmp_path_factory) -> dict[str, Path]:
         # Bags of 2 ids (the original and one random id): MLPerf's bags of up to 100 random ids drown
         # the small sample's signal for longer than a test should train.
         assert to_multi_hot(["--input", str(root / f"{split}_npy"), "--output", str(root / f"{split}_mh"),
-                             "--num-embeddings-per-feature", sizes, "--multi-hot-sizes", ",".join(["2"] * 26)]) == 0  # fmt: skip
+                             "--num_embeddings_per_feature", f"[{sizes}]", "--multi_hot_sizes", f"[{','.join(['2'] * 26)}]"]) == 0  # fmt: skip
         folders[f"{split}_npy"], folders[f"{split}_mh"] = root / f"{split}_npy", root / f"{split}_mh"
     folders["kaggle"] = root / "train.tsv"
     return folders

@@ -1,4 +1,4 @@
-"""What to preprocess: the options of a run (:class:`Config`, checked by :func:`_check_config`),
+"""What to preprocess: the options of a run (:class:`Config`, checked by :func:`check_config`),
 one input file's task (:class:`DayTask`) and what a worker reports back (:class:`DayResult`)."""
 
 from __future__ import annotations
@@ -56,18 +56,18 @@ class DayResult:
     busy_seconds: float
 
 
-def _check_config(config: Config) -> None:
+def check_config(config: Config) -> None:
     if config.workers < 1:
         raise ValueError(f"--workers {config.workers}: must be at least 1")
     if config.frequency_threshold < 0:
-        raise ValueError(f"--frequency-threshold {config.frequency_threshold}: must be >= 0 (0 = raw ids)")
+        raise ValueError(f"--frequency_threshold {config.frequency_threshold}: must be >= 0 (0 = raw ids)")
     if config.vocabulary is not None and config.frequency_threshold:
         raise ValueError(
-            "--vocabulary and --frequency-threshold exclude each other: the vocabulary already applies its threshold"
+            "--vocabulary and --frequency_threshold exclude each other: the vocabulary already applies its threshold"
         )
     if config.dense_transform not in DENSE_TRANSFORMS:
-        raise ValueError(f"--dense-transform {config.dense_transform}: expected one of {', '.join(DENSE_TRANSFORMS)}")
+        raise ValueError(f"--dense_transform {config.dense_transform}: expected one of {', '.join(DENSE_TRANSFORMS)}")
     if config.on_bad_rows not in ("error", "skip"):
-        raise ValueError(f"--on-bad-rows {config.on_bad_rows}: expected error or skip")
+        raise ValueError(f"--on_bad_rows {config.on_bad_rows}: expected error or skip")
     if config.block_mib < 1:
-        raise ValueError(f"--block-mib {config.block_mib}: must be at least 1")
+        raise ValueError(f"--block_mib {config.block_mib}: must be at least 1")

@@ -11,9 +11,9 @@ import numpy as np
 from app.data.tsv import NUM_DENSE, NUM_SPARSE
 from app.preprocess.chunks import iter_chunks
 from app.preprocess.config import DayResult, DayTask
-from app.preprocess.files import NpyStreamWriter, _save_npz_atomically
+from app.preprocess.files import NpyStreamWriter, save_npz_atomically
 from app.preprocess.id_counts import IdCounter
-from app.preprocess.resume import _input_info
+from app.preprocess.resume import input_info
 from app.preprocess.vocabulary import load_vocabularies, map_to_contiguous
 from app.preprocess.workers import report_rows
 
@@ -57,6 +57,6 @@ def _save_day_stats(task: DayTask, stats: dict, counter: IdCounter) -> None:
     """The day's counts and its distinct raw ids per feature (uint32: raw ids are below 2**32),
     kept so that metadata.json can count distinct ids over all days, also after a resumed run."""
     unique = [ids.astype(np.uint32) for ids, _ in counter.per_feature()]
-    info = dict(stats, **_input_info(task), signature=task.signature, distinct_ids_per_feature=[u.size for u in unique])
+    info = dict(stats, **input_info(task), signature=task.signature, distinct_ids_per_feature=[u.size for u in unique])
     members = {f"unique_{j}": ids for j, ids in enumerate(unique)}
-    _save_npz_atomically(task.path("stats.npz"), info=np.array(json.dumps(info)), **members)
+    save_npz_atomically(task.path("stats.npz"), info=np.array(json.dumps(info)), **members)
