@@ -67,7 +67,7 @@ def test_synthetic_round_trip_and_exact_metadata(tmp_path, capsys) -> None:
     assert_round_trip(out, files, SIZES)
     # file layout: TorchRec's dtypes and shapes
     assert np.load(out / "day_1_dense.npy").shape == (900, 13)
-    assert np.load(out / "day_1_sparse.npy").dtype == np.int64
+    assert np.load(out / "day_1_sparse.npy").dtype == np.int32  # raw 32-bit ids, as their bits
     labels = np.load(out / "day_1_labels.npy")
     assert labels.dtype == np.int32 and labels.shape == (900, 1)
     check_metadata(out, files)

@@ -13,7 +13,7 @@ RAW_IDS = [2**32] * NUM_SPARSE
 
 
 def iter_chunks(
-    path: Path, dense_transform: str, on_bad_rows: str, block_bytes: int
+    path: Path, dense_transform: str, on_bad_rows: str, block_bytes: int, num_threads: int = 1
 ) -> Iterator[tuple[CriteoArrays, int]]:
     """``(rows with raw ids, number of bad rows skipped)`` per chunk of about ``block_bytes`` of a raw
     TSV file (plain or gzip), streamed by ``app.data.tsv.iter_tsv_chunks``.
@@ -23,7 +23,8 @@ def iter_chunks(
     progress message) is not paid per small block.
     """
     blocks = tsv.iter_tsv_chunks(
-        path, RAW_IDS, None, block_bytes=tsv.CHUNK_BYTES, on_bad_rows=on_bad_rows, dense_transform=dense_transform
+        path, RAW_IDS, None, block_bytes=tsv.CHUNK_BYTES, on_bad_rows=on_bad_rows, dense_transform=dense_transform,
+        num_threads=num_threads,
     )
     blocks_per_chunk = max(1, block_bytes // tsv.CHUNK_BYTES)
     group: list[CriteoArrays] = []

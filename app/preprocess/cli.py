@@ -10,7 +10,7 @@ Usage::
 Input file ``i`` (in the order given, after glob/directory expansion) becomes day ``i``:
 
 * ``day_i_dense.npy``   float32 (rows, 13): the transformed integer features (``--dense_transform``)
-* ``day_i_sparse.npy``  int64 (rows, 26): the raw 32-bit hashed ids, or contiguous ids with
+* ``day_i_sparse.npy``  int32 (rows, 26): the raw 32-bit hashed ids (their bits: read them as uint32), or contiguous ids with
   ``--frequency_threshold``/``--vocabulary`` (ids seen >= T times -> 2, 3, ...; the others -> 1,
   TorchRec's contiguous_preproc_criteo convention)
 * ``day_i_labels.npy``  int32 (rows, 1): 0/1, or -1 for an unlabelled (39-field) file

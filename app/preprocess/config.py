@@ -11,7 +11,7 @@ from typing import Any
 DEFAULT_BLOCK_MIB = 8
 DENSE_TRANSFORMS = ("log1p", "log_plus_3")
 # Bump when the output layout changes, so that a re-run does not mix old and new days.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: ids stored as int32 (raw 32-bit hashes and contiguous ids both fit)
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class DayTask:
     block_bytes: int
     vocabulary_dir: Path | None  # where vocab_feature_j.npy are, or None for raw ids
     signature: dict[str, Any] = field(default_factory=dict)  # what makes two runs' days alike
+    num_threads: int = 1  # parse threads of the worker (more when there are fewer files than cores)
 
     def path(self, part: str) -> Path:
         """``day_N_<part>`` in the output folder, e.g. ``part="dense.npy"``."""

@@ -3,12 +3,13 @@ already complete on worker processes, write ``metadata.json`` and print a summar
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from app.data.tsv import expand_paths
+from app.data.tsv import MAX_DEFAULT_THREADS, expand_paths
 from app.preprocess.config import Config, DayResult, DayTask, check_config
 from app.preprocess.day import convert_day
 from app.preprocess.files import write_json_atomically
@@ -33,6 +34,10 @@ def run(config: Config) -> dict[str, Any]:
     ]
     warn_about_other_days(config.output, len(tasks))
     todo = [task for task in tasks if not already_done(task)]
+    # Fewer files than cores (Kaggle's one train.txt): each worker parses on several threads.
+    processes = max(1, min(config.workers, len(todo)))
+    threads = max(1, min(MAX_DEFAULT_THREADS, config.workers // processes))
+    todo = [dataclasses.replace(task, num_threads=threads) for task in todo]
     results = run_tasks(convert_day, todo, config.workers, "converting", config.progress)
     metadata = build_metadata(config, tasks, vocabulary)
     write_json_atomically(config.output / "metadata.json", metadata)
