@@ -25,7 +25,6 @@ KAGGLE_DAYS = 7
 TERABYTE_TRAIN_DAYS = tuple(range(23))
 TERABYTE_EVAL_DAY = 23
 SPLITS_BY_STAGE = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
-OPTIONAL_SPLITS = ("val",)  # fitting without validation is allowed
 
 # Which rows of the files a split is: all, or a part of a standard split.
 RowPart = Literal["all", "kaggle_train", "kaggle_test", "kaggle_val", "first_half", "second_half"]
@@ -88,13 +87,14 @@ def split_files(
     """The files of each ``wanted`` split that is set; FileNotFoundError naming the setting for
     files that do not exist, ValueError for a needed split that is not set."""
     found = {}
+    optional = ("val",) if "train" in wanted else ()  # fitting without validation is allowed
     for name in wanted:
         if split is not None and name != "predict":
             assert root is not None
             found[name] = _named_split_files(split, root, data_format, name)
         elif name in specs:
             found[name] = _given_files(f"data.{name}", specs[name], data_format)
-        elif name not in OPTIONAL_SPLITS:
+        elif name not in optional:
             raise ValueError(f"data.{name} is not set, and this stage reads it")
     return found
 
