@@ -309,3 +309,15 @@ def test_streaming_writer_patches_the_header(tmp_path) -> None:
     writer.commit()
     np.testing.assert_array_equal(np.load(tmp_path / "x.npy", mmap_mode="r"), np.concatenate(parts))
     assert not os.path.exists(tmp_path / "x.npy.partial")
+
+
+def test_distinct_ids_are_exact() -> None:
+    rng = np.random.default_rng(4)
+    counter = preprocess.DistinctIds()
+    chunks = [rng.integers(0, 2**32, (int(rng.integers(0, 300)), 26)) % rng.integers(1, 2**32, 26) for _ in range(30)]
+    for chunk in chunks:
+        counter.add_ids(chunk)
+    every = np.concatenate(chunks)
+    for j, ids in enumerate(counter.per_feature()):
+        assert ids.dtype == np.uint32
+        np.testing.assert_array_equal(ids, np.unique(every[:, j]))

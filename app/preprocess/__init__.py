@@ -31,7 +31,7 @@ from app.preprocess.cli import default_workers, main, preprocess
 from app.preprocess.config import DEFAULT_BLOCK_MIB, DENSE_TRANSFORMS, FORMAT_VERSION, Config, DayResult, DayTask
 from app.preprocess.day import convert_day
 from app.preprocess.files import NpyStreamWriter, read_sidecar_info
-from app.preprocess.id_counts import FEATURE_OFFSETS, IdCounter
+from app.preprocess.id_counts import FEATURE_OFFSETS, DistinctIds, IdCounter
 from app.preprocess.metadata import build_metadata
 from app.preprocess.runner import run
 from app.preprocess.vocabulary import (
@@ -57,6 +57,7 @@ __all__ = [
     "Config",
     "DayResult",
     "DayTask",
+    "DistinctIds",
     "IdCounter",
     "NpyStreamWriter",
     "build_metadata",

@@ -12,7 +12,7 @@ from app.data.tsv import NUM_DENSE, NUM_SPARSE
 from app.preprocess.chunks import iter_chunks
 from app.preprocess.config import DayResult, DayTask
 from app.preprocess.files import NpyStreamWriter, save_npz_atomically
-from app.preprocess.id_counts import IdCounter
+from app.preprocess.id_counts import DistinctIds
 from app.preprocess.resume import input_info
 from app.preprocess.vocabulary import load_vocabularies, map_to_contiguous
 from app.preprocess.workers import report_rows
@@ -29,7 +29,7 @@ def convert_day(task: DayTask) -> DayResult:
         NpyStreamWriter(task.path("sparse.npy"), np.int32, (NUM_SPARSE,)),
         NpyStreamWriter(task.path("labels.npy"), np.int32, (1,)),
     ]
-    counter, positives, skipped, labelled, first_bad_row = IdCounter(), 0, 0, True, None
+    counter, positives, skipped, labelled, first_bad_row = DistinctIds(), 0, 0, True, None
     try:
         for arrays, skipped_here in iter_chunks(
             task.input, task.dense_transform, task.on_bad_rows, task.block_bytes, task.num_threads
@@ -57,10 +57,10 @@ def convert_day(task: DayTask) -> DayResult:
     return DayResult(task.day, writers[0].rows, time.perf_counter() - started)
 
 
-def _save_day_stats(task: DayTask, stats: dict, counter: IdCounter) -> None:
+def _save_day_stats(task: DayTask, stats: dict, counter: DistinctIds) -> None:
     """The day's counts and its distinct raw ids per feature (uint32: raw ids are below 2**32),
     kept so that metadata.json can count distinct ids over all days, also after a resumed run."""
-    unique = [ids.astype(np.uint32) for ids, _ in counter.per_feature()]
+    unique = counter.per_feature()
     info = dict(stats, **input_info(task), signature=task.signature, distinct_ids_per_feature=[u.size for u in unique])
     members = {f"unique_{j}": ids for j, ids in enumerate(unique)}
     save_npz_atomically(task.path("stats.npz"), info=np.array(json.dumps(info)), **members)
