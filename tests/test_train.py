@@ -148,6 +148,7 @@ def test_fit_reads_real_criteo_rows(name, shared_criteo, tmp_path):
     result = run_app(
         "fit", "--config", "configs/demo.yaml", "--data.train", str(real), "--data.val", str(real),
         "--data.test", "null", "--data.predict", "null", "--trainer.max_epochs", "1",
+        "--data.cache_dir", str(tmp_path / "cache"),  # not beside the shared fixtures
         "--data.batch_size", "256", "--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks", "[]",
         "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.init_args.save_dir", str(tmp_path),
         "--trainer.logger.init_args.name", "logs",

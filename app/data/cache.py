@@ -131,6 +131,8 @@ def _convert(request: CacheRequest, folder: Path, fingerprint: dict[str, Any], s
         why = "other inputs or options" if state else "an unknown run"
         print(f"data cache {folder} was made from {why}: converting again", file=sys.stderr)
         shutil.rmtree(folder)
+    elif state.get("error"):
+        print(f"data cache {folder}: the last conversion failed ({state['error']}); converting again", file=sys.stderr)
     elif folder.exists():
         print(f"data cache {folder}: resuming an unfinished conversion", file=sys.stderr)
     folder.mkdir(parents=True, exist_ok=True)

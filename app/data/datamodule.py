@@ -114,6 +114,7 @@ class CriteoDataModule(LightningDataModule):
         self.seed = seed
         self.datasets: dict[str, CriteoBatches] = {}
         self.num_bad_rows_skipped = 0
+        self._prepare_error: Exception | None = None
         # The model's tables take these sizes (app.cli links them once this module exists).
         self.table_sizes = self._table_sizes(num_embeddings_per_feature)
         self.options = ReadOptions(self.table_sizes, on_bad_rows, dense_transform)
@@ -157,13 +158,21 @@ class CriteoDataModule(LightningDataModule):
 
     def prepare_data(self) -> None:
         """Convert the stage's raw TSV splits into the cache (Lightning calls this on local rank 0 of
-        every node, or only on global rank 0, while the other ranks wait)."""
+        every node, or only on global rank 0, while the other ranks wait in a barrier)."""
         stage = self.trainer.state.fn.value if self.trainer is not None and self.trainer.state.fn else "fit"
-        for name, files in self._files(stage).items():
-            if files.format == "tsv" and name != "predict":
-                cached_days(self._cache_request(files))
+        try:
+            for name, files in self._files(stage).items():
+                if files.format == "tsv" and name != "predict":
+                    cached_days(self._cache_request(files))
+        except Exception as error:
+            # Raised from setup instead: leaving the barrier with an error would cut the waiting ranks
+            # off mid-collective; in setup every rank stops with the message (app.data.cache).
+            self._prepare_error = error
 
     def setup(self, stage: str) -> None:
+        error, self._prepare_error = self._prepare_error, None
+        if error is not None:
+            raise error
         rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
         # Under a Trainer, prepare_data has converted (or failed to) before any rank gets here.
         convert = self.trainer is None
