@@ -177,7 +177,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000, help="rows in the generated benchmark file")
     parser.add_argument("--memory-rows", default="1000000,10000000",
                         help="sizes of the train.txt files the memory figure compares (multiples of --rows)")
-    parser.add_argument("--fit-steps", type=int, default=100, help="training steps of each fit")
+    parser.add_argument("--fit-steps", type=int, default=20, help="training steps of each fit")
     parser.add_argument("--batch-size", type=int, default=4096, help="rows per batch")
     args = parser.parse_args()
 
