@@ -4,6 +4,10 @@ redoing, table sizes from the data, and what each stage reads (issue 7)."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -224,3 +228,31 @@ def test_validate_on_a_named_split_converts_only_the_eval_day(tmp_path):
     (folder,) = cache_folders(tmp_path)  # days 0-22 were not converted
     assert folder.name.startswith("day_23-")
     assert len(data.datasets["val"].source) == 17  # first half of day 23's 33 rows
+
+
+def test_a_conversion_killed_for_real_resumes(tmp_path):
+    """SIGKILL the converting process once its first day is done; the next run keeps that day."""
+    files = []
+    for day in range(3):
+        files.append(tmp_path / f"day_{day}.tsv")
+        write_synthetic_criteo(files[-1], num_rows=25_000, seed=90 + day)
+    request = CacheRequest(tuple(files), "log1p", "error", tmp_path / "cache", workers=1)
+    script = (
+        "import sys; from pathlib import Path; from app.data.cache import CacheRequest, cached_days; "
+        f"cached_days(CacheRequest(tuple(Path(p) for p in {[str(p) for p in files]!r}), 'log1p', 'error', "
+        f"Path({str(tmp_path / 'cache')!r}), workers=1))"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1])
+    day_0 = request.folder / "day_0_labels.npy"  # renamed into place last of its day
+    deadline = time.monotonic() + 120
+    while not day_0.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert not json.loads((request.folder / CACHE_FILE).read_text())["complete"]
+    kept = day_0.stat().st_mtime_ns
+    folder = cached_days(request)
+    assert day_0.stat().st_mtime_ns == kept  # the finished day was not converted again
+    assert json.loads((folder / CACHE_FILE).read_text())["complete"]
+    for day, path in enumerate(files):
+        np.testing.assert_array_equal(np.load(folder / f"day_{day}_sparse.npy").view(np.uint32), read_tsv(path, [2**32] * 26).sparse)
