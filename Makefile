@@ -14,7 +14,7 @@ help:
 	@echo "make setup  - only create .venv and install the pinned stack"
 	@echo "make sample - only generate the bundled Criteo-format sample in data/sample/"
 	@echo "make lint   - lint the Dockerfile with hadolint"
-	@echo "make bench-data - data-path throughput against pandas and against training"
+	@echo "make bench-data - data-path figures: raw->NumPy vs pandas, batches vs training, first vs cached fit, memory at 1M vs 10M rows (minutes)"
 
 setup: $(STAMP)
 

@@ -38,8 +38,9 @@ class DLRMCLI(LightningCLI):
     """
 
     def add_arguments_to_parser(self, parser) -> None:
-        # The data hashes ids modulo the table sizes, so the model's tables must have exactly these sizes.
-        parser.link_arguments("data.num_embeddings_per_feature", "model.num_embeddings_per_feature")
+        # The data hashes ids modulo the table sizes, so the model's tables must have exactly these sizes;
+        # taken from the data module once it exists (`auto` reads them from the data).
+        parser.link_arguments("data.table_sizes", "model.num_embeddings_per_feature", apply_on="instantiate")
         parser.add_lightning_class_args(SamplesPerSecond, "throughput")
         parser.add_lightning_class_args(PredictionWriter, "prediction_writer")
         # Checkpointing on by default, as its own group; off with --trainer.enable_checkpointing false.

@@ -7,6 +7,7 @@ dataset must fail before training with a message naming the file at fault.
 
 from __future__ import annotations
 
+import json
 import pickle
 import zipfile
 from pathlib import Path
@@ -37,7 +38,7 @@ def days(tmp_path_factory) -> tuple[Path, CriteoArrays]:
         files.append(folder / f"raw_{day}.tsv")
         write_synthetic_criteo(files[-1], num_rows=rows, seed=300 + day)
     out = folder / "out"
-    assert preprocess.main(["--input", *map(str, files), "--output", str(out), "--workers", "1", "--no-progress"]) == 0
+    assert preprocess.main(["--input", json.dumps(list(map(str, files))), "--output", str(out), "--workers", "1", "--progress", "false"]) == 0
     expected = CriteoArrays.concat([read_tsv(path, SIZES) for path in files])
     return out, expected
 
@@ -227,8 +228,8 @@ def test_multi_hot_matches_the_mlperf_construction(multi_hot_day) -> None:
 def test_converter_command_line(days, tmp_path, capsys) -> None:
     out, _ = days
     sizes, bags = [97] * 26, [2] * 25 + [5]
-    argv = ["--input", str(out), "--output", str(tmp_path), "--days", "0", "2",
-            "--num-embeddings-per-feature", ",".join(map(str, sizes)), "--multi-hot-sizes", ",".join(map(str, bags))]
+    argv = ["--input", str(out), "--output", str(tmp_path), "--days", "[0, 2]",
+            "--num_embeddings_per_feature", json.dumps(list(sizes)), "--multi_hot_sizes", json.dumps(list(bags))]
     assert multi_hot.main(argv) == 0
     assert "day_2" in capsys.readouterr().out
     one_hot = NumpyDaysSource.from_directory(out, [0, 2], sizes)

@@ -32,7 +32,7 @@ SIZES = [3, 7, 10, 97, 100, 1_000, 4_096, 10_000, 65_537, 10**6] * 2 + [2, 5, 11
 
 
 def run_main(inputs: list[Path], output: Path, *options: str) -> int:
-    argv = ["--input", *map(str, inputs), "--output", str(output), "--workers", "1", "--no-progress", *options]
+    argv = ["--input", json.dumps(list(map(str, inputs))), "--output", str(output), "--workers", "1", "--progress", "false", *options]
     return preprocess.main(argv)
 
 
@@ -62,12 +62,12 @@ def test_synthetic_round_trip_and_exact_metadata(tmp_path, capsys) -> None:
     files = synthetic_files(tmp_path / "raw", (6_000, 900))
     assert files[0].stat().st_size > 1 << 20  # several 1 MiB chunks per day, appended to the files
     out = tmp_path / "out"
-    assert run_main(files, out, "--block-mib", "1") == 0
+    assert run_main(files, out, "--block_mib", "1") == 0
     assert "rows/s per worker" in capsys.readouterr().out
     assert_round_trip(out, files, SIZES)
     # file layout: TorchRec's dtypes and shapes
     assert np.load(out / "day_1_dense.npy").shape == (900, 13)
-    assert np.load(out / "day_1_sparse.npy").dtype == np.int64
+    assert np.load(out / "day_1_sparse.npy").dtype == np.int32  # raw 32-bit ids, as their bits
     labels = np.load(out / "day_1_labels.npy")
     assert labels.dtype == np.int32 and labels.shape == (900, 1)
     check_metadata(out, files)
@@ -122,8 +122,8 @@ def test_help_documents_every_option(capsys) -> None:
     with pytest.raises(SystemExit):
         preprocess.main(["--help"])
     text = capsys.readouterr().out
-    for option in ("--input", "--output", "--workers", "--frequency-threshold", "--vocabulary",
-                   "--dense-transform", "--on-bad-rows", "--block-mib", "--no-progress"):
+    for option in ("--input", "--output", "--workers", "--frequency_threshold", "--vocabulary",
+                   "--dense_transform", "--on_bad_rows", "--block_mib", "--progress", "--config"):
         assert option in text
 
 
@@ -168,7 +168,7 @@ def test_frequency_threshold_gives_exact_contiguous_ids(tmp_path) -> None:
     first.write_text(tsv_row(1, ["0a", "10"]) + tsv_row(0, ["0a", "10"]) + tsv_row(0, ["05", "20"]))
     second.write_text(tsv_row(1, ["0a", "10"]) + tsv_row(0, ["05", "10"]) + tsv_row(1, ["ff", "10"]))
     out = tmp_path / "out"
-    assert run_main([first, second], out, "--frequency-threshold", "2") == 0
+    assert run_main([first, second], out, "--frequency_threshold", "2") == 0
     # vocabulary C1: sorted raw ids seen >= 2 times: 0x05, 0x0a -> 2, 3; 0xff -> 1 (rare)
     np.testing.assert_array_equal(np.load(out / "vocab_feature_0.npy"), [0x05, 0x0A])
     np.testing.assert_array_equal(np.load(out / "vocab_feature_1.npy"), [0x10])
@@ -193,14 +193,14 @@ def test_frequency_threshold_gives_exact_contiguous_ids(tmp_path) -> None:
 def test_threshold_resume_reuses_the_vocabulary(tmp_path, capsys) -> None:
     files = synthetic_files(tmp_path / "raw", (200, 100))
     out = tmp_path / "out"
-    assert run_main(files, out, "--frequency-threshold", "3") == 0
+    assert run_main(files, out, "--frequency_threshold", "3") == 0
     first = np.load(out / "day_1_sparse.npy")
     (out / "day_1_sparse.npy").unlink()
     capsys.readouterr()
-    assert run_main(files, out, "--frequency-threshold", "3") == 0
+    assert run_main(files, out, "--frequency_threshold", "3") == 0
     assert "reusing the vocabularies" in capsys.readouterr().err
     np.testing.assert_array_equal(np.load(out / "day_1_sparse.npy"), first)
-    assert run_main(files, out, "--frequency-threshold", "4") == 2  # other options: refused, nothing overwritten
+    assert run_main(files, out, "--frequency_threshold", "4") == 2  # other options: refused, nothing overwritten
     assert "vocabulary.json: made with threshold 3" in capsys.readouterr().err
     assert run_main(files, out) == 2  # raw ids into a folder of contiguous days
     assert "made with other options" in capsys.readouterr().err
@@ -210,7 +210,7 @@ def test_threshold_resume_reuses_the_vocabulary(tmp_path, capsys) -> None:
     resumed.mkdir()
     task = preprocess.DayTask(0, files[0], resumed, "log1p", "error", 1 << 20, None)
     preprocess.count_ids(task)
-    assert run_main(files, resumed, "--frequency-threshold", "3") == 0
+    assert run_main(files, resumed, "--frequency_threshold", "3") == 0
     err = capsys.readouterr().err
     assert "day 0: ids already counted" in err and "day 1: ids already counted" not in err
     for j in range(26):
@@ -248,8 +248,8 @@ def test_missing_or_empty_input_is_named(tmp_path, capsys, content, message) -> 
 
 def test_bad_option_values(tmp_path, capsys) -> None:
     files = synthetic_files(tmp_path / "raw", (20,))
-    assert run_main(files, tmp_path / "out", "--frequency-threshold", "-1") == 2
-    assert "--frequency-threshold -1" in capsys.readouterr().err
+    assert run_main(files, tmp_path / "out", "--frequency_threshold", "-1") == 2
+    assert "--frequency_threshold -1" in capsys.readouterr().err
     assert run_main(files, tmp_path / "out", "--vocabulary", str(tmp_path / "none")) == 2
     assert "vocabulary.json: missing" in capsys.readouterr().err
 
@@ -261,36 +261,29 @@ def test_skip_and_dense_transform_options(tmp_path, capsys) -> None:
     lines[3] = "garbage\n"
     files[0].write_text("".join(lines))
     if not hasattr(tsv, "iter_tsv_chunks"):
-        assert run_main(files, tmp_path / "out", "--on-bad-rows", "skip") == 2
+        assert run_main(files, tmp_path / "out", "--on_bad_rows", "skip") == 2
         assert "has no iter_tsv_chunks" in capsys.readouterr().err
         return
-    assert run_main(files, tmp_path / "out", "--on-bad-rows", "skip") == 0
+    assert run_main(files, tmp_path / "out", "--on_bad_rows", "skip") == 0
     metadata = json.loads((tmp_path / "out" / "metadata.json").read_text())
     assert metadata["skipped_rows"] == 1 and metadata["total_rows"] == 29
     assert metadata["days"][0]["first_skipped_row"].startswith(f"{files[0]}:4: ")
-    assert run_main(files, tmp_path / "out3", "--on-bad-rows", "skip", "--dense-transform", "log_plus_3") == 0
+    assert run_main(files, tmp_path / "out3", "--on_bad_rows", "skip", "--dense_transform", "log_plus_3") == 0
     assert json.loads((tmp_path / "out3" / "metadata.json").read_text())["dense_transform"] == "log_plus_3"
     want = read_tsv(files[0], RAW, on_bad_rows="skip", dense_transform="log_plus_3")
     np.testing.assert_array_equal(np.load(tmp_path / "out3" / "day_0_dense.npy"), want.dense)
 
 
-def test_chunks_are_joined_blocks_and_the_fallback_reads_whole_files(tmp_path, monkeypatch) -> None:
-    """Rows come out in order, several reader blocks per chunk; without tsv.iter_tsv_chunks the
-    adapter falls back to read_tsv (and refuses options that needs)."""
+def test_chunks_are_joined_blocks(tmp_path, monkeypatch) -> None:
+    """Rows come out in order, several reader blocks per chunk."""
     path = synthetic_files(tmp_path, (3_000,))[0]
     want = read_tsv(path, RAW)
     monkeypatch.setattr(tsv, "CHUNK_BYTES", 64 * 1024)
     chunks = [arrays for arrays, _ in preprocess.iter_chunks(path, "log1p", "error", block_bytes=200 * 1024)]
-    if hasattr(tsv, "iter_tsv_chunks"):
-        assert len(chunks) == -(-path.stat().st_size // (192 * 1024))  # three 64 KiB blocks per chunk
+    assert len(chunks) == -(-path.stat().st_size // (192 * 1024))  # three 64 KiB blocks per chunk
     got = CriteoArrays.concat(chunks)
     for name in ("dense", "sparse", "labels"):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name))
-    monkeypatch.delattr(tsv, "iter_tsv_chunks", raising=False)
-    whole = list(preprocess.iter_chunks(path, "log1p", "error", block_bytes=1 << 20))
-    assert len(whole) == 1 and np.array_equal(whole[0][0].sparse, want.sparse)
-    with pytest.raises(ValueError, match="has no iter_tsv_chunks"):
-        list(preprocess.iter_chunks(path, "log1p", "skip", block_bytes=1 << 20))
 
 
 def test_id_counter_merges_exactly() -> None:
@@ -316,3 +309,15 @@ def test_streaming_writer_patches_the_header(tmp_path) -> None:
     writer.commit()
     np.testing.assert_array_equal(np.load(tmp_path / "x.npy", mmap_mode="r"), np.concatenate(parts))
     assert not os.path.exists(tmp_path / "x.npy.partial")
+
+
+def test_distinct_ids_are_exact() -> None:
+    rng = np.random.default_rng(4)
+    counter = preprocess.DistinctIds()
+    chunks = [rng.integers(0, 2**32, (int(rng.integers(0, 300)), 26)) % rng.integers(1, 2**32, 26) for _ in range(30)]
+    for chunk in chunks:
+        counter.add_ids(chunk)
+    every = np.concatenate(chunks)
+    for j, ids in enumerate(counter.per_feature()):
+        assert ids.dtype == np.uint32
+        np.testing.assert_array_equal(ids, np.unique(every[:, j]))

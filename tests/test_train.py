@@ -147,6 +147,7 @@ def test_fit_reads_real_criteo_rows(name, shared_criteo, tmp_path):
     result = run_app(
         "fit", "--config", "configs/demo.yaml", "--data.train", str(real), "--data.val", str(real),
         "--data.test", "null", "--data.predict", "null", "--trainer.max_epochs", "1",
+        "--data.cache_dir", str(tmp_path / "cache"),  # not beside the shared fixtures
         "--data.batch_size", "256", "--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks", "[]",
         "--trainer.logger", "lightning.pytorch.loggers.CSVLogger", "--trainer.logger.init_args.save_dir", str(tmp_path),
         "--trainer.logger.init_args.name", "logs",
@@ -174,7 +175,7 @@ def day_folders(tmp_path_factory) -> dict[str, Path]:
         # Bags of 2 ids (the original and one random id): MLPerf's bags of up to 100 random ids drown
         # the small sample's signal for longer than a test should train.
         assert to_multi_hot(["--input", str(root / f"{split}_npy"), "--output", str(root / f"{split}_mh"),
-                             "--num-embeddings-per-feature", sizes, "--multi-hot-sizes", ",".join(["2"] * 26)]) == 0  # fmt: skip
+                             "--num_embeddings_per_feature", f"[{sizes}]", "--multi_hot_sizes", f"[{','.join(['2'] * 26)}]"]) == 0  # fmt: skip
         folders[f"{split}_npy"], folders[f"{split}_mh"] = root / f"{split}_npy", root / f"{split}_mh"
     folders["kaggle"] = root / "train.tsv"
     return folders

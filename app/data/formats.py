@@ -1,5 +1,5 @@
-"""Opening a split in whichever Criteo format its files are: raw TSV (plain or gzip), TorchRec's
-NumPy day files, or MLPerf's multi-hot day files."""
+"""The Criteo formats a split's files may be in, and opening them: raw TSV (plain or gzip, parsed
+into memory), TorchRec's NumPy day files or MLPerf's multi-hot day files (both memory-mapped)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from typing import Literal
 from app.data.multi_hot import MultiHotDaysSource
 from app.data.numpy_days import NumpyDaysSource
 from app.data.source import RowSource
-from app.data.tsv import CriteoArrays, expand_paths, read_tsv_files
-from app.data.tsv_format import DenseTransform, OnBadRows
+from app.data.tsv import CriteoArrays, DenseTransform, OnBadRows, read_tsv_files
 
 DataFormat = Literal["auto", "tsv", "numpy", "multi_hot"]
 
@@ -37,37 +36,15 @@ def detect_format(path: Path) -> str:
     return "tsv"
 
 
-def open_split(
-    spec: str | Sequence[str],
-    data_format: DataFormat,
-    options: ReadOptions,
-    setting: str,
-    days: Sequence[int] | None = None,
-    labelled: bool | None = True,
-) -> RowSource:
-    """The rows named by ``spec`` (a path, glob, directory or list; ``setting`` names it in errors).
-
-    Preprocessed formats take one directory and optionally which of its days to use. Raw TSV must
-    carry labels unless ``labelled`` is None (``predict`` also reads unlabelled 39-field files).
-    """
-    first = Path(spec if isinstance(spec, str) else spec[0]).expanduser()
-    resolved = detect_format(first) if data_format == "auto" else data_format
-    if resolved == "tsv":
-        return read_tsv_split(spec, options, setting, labelled)
-    if not isinstance(spec, str):
-        raise ValueError(f"{setting}: the {resolved} format takes one directory, got a list {list(spec)}")
-    source_class = NumpyDaysSource if resolved == "numpy" else MultiHotDaysSource
-    return source_class.from_directory(first, days, options.table_sizes)
+def open_days(folder: Path, data_format: str, days: Sequence[int] | None, options: ReadOptions) -> RowSource:
+    """The given days (None: all) of a folder of NumPy or multi-hot day files, memory-mapped."""
+    source_class = MultiHotDaysSource if data_format == "multi_hot" else NumpyDaysSource
+    return source_class.from_directory(folder, days, options.table_sizes)
 
 
-def read_tsv_split(
-    spec: str | Sequence[str], options: ReadOptions, setting: str, labelled: bool | None = True
-) -> CriteoArrays:
-    """Parses raw TSV files into memory."""
-    try:
-        paths = expand_paths(spec)
-    except FileNotFoundError as error:
-        raise FileNotFoundError(f"{setting}: {error}") from None
+def read_tsv_split(paths: Sequence[Path], options: ReadOptions, labelled: bool | None = True) -> CriteoArrays:
+    """Raw TSV files parsed into memory (for ``predict``: training splits go through the cache).
+    ``labelled=None`` also reads unlabelled 39-field files."""
     return read_tsv_files(
         paths,
         options.table_sizes,

@@ -1,4 +1,4 @@
-"""MLPerf DLRMv2 multi-hot Criteo (docs/criteo-formats.md, section 3): reading and writing.
+"""MLPerf DLRMv2 multi-hot Criteo (docs/data.md): reading and writing.
 
 Day ``N`` is ``day_N_dense.npy`` and ``day_N_labels.npy`` (as in TorchRec's NumPy layout) plus
 ``day_N_sparse_multi_hot.npz``: keys "0".."25", int32 ``(rows, m_j)``, a bag of ``m_j`` ids per row
@@ -16,18 +16,18 @@ random ids in ``[0, E_j)``; a row's bag for feature ``j`` is ``T_j[id % E_j]``. 
 are the same as the reference's, so with MLPerf's table sizes and multi-hot sizes this reproduces
 MLPerf's multi-hot dataset. Run it as a converter::
 
-    python -m app.data.multi_hot --input PREPROCESSED_DIR --output DIR [--days 0 1 ...]
+    python -m app.data.multi_hot --input PREPROCESSED_DIR --output DIR [--days "[0, 1]"]
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import struct
 import warnings
 import zipfile
+from typing import Literal
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -47,7 +47,7 @@ from app.data.numpy_days import (
 )
 from app.data.source import NUM_DENSE, NUM_SPARSE, RowBlock, check_table_sizes
 
-# MLPerf DLRMv2 (docs/criteo-formats.md, section 3).
+# MLPerf DLRMv2 (docs/data.md).
 MLPERF_TABLE_SIZES = (
     40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10, 2209,
     11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36,
@@ -350,47 +350,43 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def _int_list(text: str) -> list[int]:
-    return [int(v) for v in text.replace(",", " ").split()]
+def convert(
+    input: str,
+    output: str,
+    days: list[int] | None = None,
+    num_embeddings_per_feature: list[int] = list(MLPERF_TABLE_SIZES),
+    multi_hot_sizes: list[int] = list(MLPERF_MULTI_HOT_SIZES),
+    seed: int = 0,
+    distribution: Literal["uniform", "pareto"] = "uniform",
+) -> None:
+    """Convert TorchRec NumPy days (day_N_{dense,sparse,labels}.npy, e.g. from app.preprocess) into
+    MLPerf DLRMv2 multi-hot days (day_N_sparse_multi_hot.npz plus copies of dense and labels).
+    Memory: the largest lookup table (E_j x m_j int32; about 16 GB for MLPerf's 40M x 100) plus a
+    block of rows.
 
+    Args:
+        input: folder of day_N_{dense,sparse,labels}.npy files.
+        output: folder to write the multi-hot days to (created if needed).
+        days: day numbers to convert (default: all found).
+        num_embeddings_per_feature: the 26 table sizes E_j (default: MLPerf's).
+        multi_hot_sizes: the 26 bag sizes m_j (default: MLPerf's, 214 ids per row).
+        seed: seed of the lookup tables (MLPerf: 0).
+        distribution: distribution of the extra ids (MLPerf: uniform).
+    """
+    from app.data.numpy_days import NumpyDaysSource  # noqa: PLC0415 (only the converter needs it)
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m app.data.multi_hot",
-        description="Convert TorchRec NumPy days (day_N_{dense,sparse,labels}.npy, e.g. from app.preprocess) "
-        "into MLPerf DLRMv2 multi-hot days (day_N_sparse_multi_hot.npz plus copies of dense and labels). "
-        "Memory: the largest lookup table (E_j x m_j int32; about 16 GB for MLPerf's 40M x 100) plus a block of rows.",
-    )
-    parser.add_argument("--input", required=True, help="folder of day_N_{dense,sparse,labels}.npy files")
-    parser.add_argument("--output", required=True, help="folder to write the multi-hot days to (created if needed)")
-    parser.add_argument("--days", type=int, nargs="*", default=None, help="day numbers to convert (default: all found)")
-    parser.add_argument(
-        "--num-embeddings-per-feature", type=_int_list, default=list(MLPERF_TABLE_SIZES),
-        help="26 table sizes E_j, comma-separated (default: MLPerf's)",
-    )
-    parser.add_argument(
-        "--multi-hot-sizes", type=_int_list, default=list(MLPERF_MULTI_HOT_SIZES),
-        help="26 bag sizes m_j, comma-separated (default: MLPerf's, 214 ids per row)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the lookup tables (MLPerf: 0)")
-    parser.add_argument("--distribution", choices=("uniform", "pareto"), default="uniform",
-                        help="distribution of the extra ids (MLPerf: uniform)")
-    return parser
+    source = NumpyDaysSource.from_directory(input, days, [1] * NUM_SPARSE)  # moduli unused here
+    numbers = [int(p.name.removeprefix("day_")) for p in source.prefixes]
+    arrays = {n: source.day_arrays(i) for i, n in enumerate(numbers)}
+    written = write_multi_hot_days(output, arrays, num_embeddings_per_feature, multi_hot_sizes, seed, distribution)
+    print(json.dumps({"written": [str(p) for p in written]}))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Convert NumPy days into multi-hot days; see ``--help``."""
-    args = build_parser().parse_args(argv)
-    from app.data.numpy_days import NumpyDaysSource  # noqa: PLC0415 (only the converter needs it)
+    """Entry point of ``python -m app.data.multi_hot``; returns the exit status (2 for a bad input)."""
+    from app.command import run_command  # noqa: PLC0415 (the reader does not need the command line)
 
-    source = NumpyDaysSource.from_directory(args.input, args.days, [1] * NUM_SPARSE)  # moduli unused here
-    numbers = [int(p.name.removeprefix("day_")) for p in source.prefixes]
-    days = {n: source.day_arrays(i) for i, n in enumerate(numbers)}
-    written = write_multi_hot_days(
-        args.output, days, args.num_embeddings_per_feature, args.multi_hot_sizes, args.seed, args.distribution
-    )
-    print(json.dumps({"written": [str(p) for p in written]}))
-    return 0
+    return run_command(convert, "python -m app.data.multi_hot", argv)
 
 
 if __name__ == "__main__":

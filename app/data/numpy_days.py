@@ -1,4 +1,4 @@
-"""TorchRec's preprocessed NumPy layout (docs/criteo-formats.md, section 2), memory-mapped.
+"""TorchRec's preprocessed NumPy layout (docs/data.md), memory-mapped.
 
 A dataset is a folder of days; day ``N`` is three files:
 

@@ -1,6 +1,6 @@
 """Deterministic Criteo-format click logs with a planted, learnable signal.
 
-The rows look like raw Criteo TSV (docs/criteo-formats.md, section 1): ``label, I1..I13, C1..C26``
+The rows look like raw Criteo TSV (docs/data.md): ``label, I1..I13, C1..C26``
 tab-separated (no label column when unlabelled); integer features are heavy-tailed counts, some
 missing, I2 sometimes small negatives like the real I2; categorical ids are 8 lowercase hex digits
 (a fixed random 32-bit hash per vocabulary id) with Zipf-like frequencies, vocabularies from 3

@@ -1,47 +1,42 @@
-"""Fast, strict, streaming reader for raw Criteo TSV click logs (Kaggle ``train.txt``/``test.txt``,
-Terabyte days), plain or gzip-compressed.
+"""Reading raw Criteo TSV click logs (Kaggle ``train.txt``/``test.txt``, Terabyte days), plain or
+gzip-compressed: the public entry points, and the one place where streamed blocks become rows.
 
-Format (see docs/criteo-formats.md, section 1): one sample per line, tab-separated
-``label, I1..I13, C1..C26`` (40 fields), or ``I1..I13, C1..C26`` (39 fields) for unlabelled files.
-An empty field is a missing value. Files in the wild strip trailing empty fields, so a short row is
-padded with empty fields *on the right* (never aligned from the right-hand end).
+The reader has three modules, one job each, read top to bottom:
+
+* :mod:`app.data.tsv_stream`: a file -> blocks of whole lines (gzip decompressed on the fly), so
+  the input is never held in memory as a whole;
+* :mod:`app.data.tsv_decode`: a block of lines -> arrays (:class:`CriteoArrays`), by vectorised
+  numpy with no per-row Python loop, every field checked; what a row is (docs/data.md);
+* this module: the entry points (:func:`read_tsv`, :func:`read_tsv_files`,
+  :func:`iter_tsv_chunks`, :func:`parse_tsv_bytes`), which decode several blocks at once on a
+  thread pool (numpy releases the GIL in its array operations) and place them in file order,
+  optionally straight into arrays sized once (:class:`_Output`). The result and the error raised
+  are those of the one-thread reader.
 
 Nothing is misparsed silently. By default (``on_bad_rows="error"``) the first malformed line raises
 :class:`CriteoFormatError` whose message starts with ``"<file>:<line>: "`` (1-based), naming the
 field and value at fault. With ``on_bad_rows="skip"`` malformed lines are dropped instead, counted
 in :attr:`CriteoArrays.num_bad_rows`, and the first one's message kept as an example.
-
-A file is read as a stream of blocks of whole lines of about :data:`CHUNK_BYTES` (a ``.gz`` file,
-or any file starting with the gzip magic bytes, is decompressed on the fly), so the input is never
-held in memory as a whole. Each block is parsed by vectorised numpy; there is no per-row Python
-loop. :func:`read_tsv` parses several blocks at once on a thread pool (numpy releases the GIL in
-its array operations) and places them in file order: the result and the error raised are those of
-the one-thread reader. Field values are decoded eight bytes at a time: an unaligned ``uint64`` view of the block
-lets one fancy-index gather fetch the (up to) eight bytes ending at every field's end, and SWAR
-("SIMD within a register") bit arithmetic validates and converts them.
-
-The reader is split by job: :mod:`app.data.tsv_format` (row layout, result and error types),
-:mod:`app.data.paths` (data specs -> files), :mod:`app.data.tsv_stream` (files -> blocks of whole
-lines), :mod:`app.data.tsv_pipeline` (blocks parsed on threads, in file order) into
-:mod:`app.data.tsv_output`, and :mod:`app.data.tsv_parse` (bytes -> arrays) with
-:mod:`app.data.tsv_lines` and :mod:`app.data.tsv_fields`. This module is the public API: every name
-is importable from here.
 """
 
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 from app.data.paths import DATA_SUFFIXES, expand_paths
 from app.data.source import check_table_sizes
-from app.data.tsv_format import (
+from app.data.tsv_decode import (
     DENSE_NAMES,
     DENSE_TRANSFORMS,
     LABELLED_FIELDS,
+    MIN_LABELLED_FIELDS,
+    MIN_UNLABELLED_FIELDS,
     NUM_DENSE,
     NUM_SPARSE,
     ON_BAD_ROWS,
@@ -52,10 +47,8 @@ from app.data.tsv_format import (
     DenseTransform,
     OnBadRows,
 )
-from app.data.tsv_output import _Output
-from app.data.tsv_parse import _parse
-from app.data.tsv_pipeline import _parsed_blocks
-from app.data.tsv_stream import MAX_LINE_BYTES
+from app.data.tsv_decode import parse_block as _parse  # looked up per block: tests slow one down
+from app.data.tsv_stream import MAX_LINE_BYTES, line_blocks
 
 __all__ = [
     "CHUNK_BYTES",
@@ -67,6 +60,8 @@ __all__ = [
     "MAX_LINE_BYTES",
     "NUM_DENSE",
     "NUM_SPARSE",
+    "MIN_LABELLED_FIELDS",
+    "MIN_UNLABELLED_FIELDS",
     "ON_BAD_ROWS",
     "SPARSE_NAMES",
     "UNLABELLED_FIELDS",
@@ -267,3 +262,161 @@ def _check_threads(num_threads: int | None) -> int:
     if isinstance(num_threads, bool) or not isinstance(num_threads, (int, np.integer)) or num_threads < 1:
         raise ValueError(f"num_threads must be a positive integer or None, got {num_threads!r}")
     return int(num_threads)
+
+
+# ----------------------------------------------------------------------------------------------
+# Blocks decoded on a thread pool, handed out in file order
+# ----------------------------------------------------------------------------------------------
+
+# Parses started and not yet handed out, in file order: (the parse, its first row in out.arrays).
+_InFlight = deque[tuple[Future, int]]
+
+
+def _parsed_blocks(
+    path: Path,
+    block_bytes: int,
+    moduli: np.ndarray,
+    labelled: bool | None,
+    on_bad_rows: str,
+    dense_transform: str,
+    num_threads: int,
+    out: _Output | None = None,
+) -> Iterator[CriteoArrays]:
+    """Parse one file's blocks and yield them in file order (``labelled=None``: detect per file).
+
+    With ``out``, the rows are parsed straight into it and accounted there; the parts yielded are
+    views of them. With ``num_threads`` > 1, this thread reads the blocks and a thread pool parses
+    up to ``2 * num_threads`` of them at a time, once the first block(s) have settled whether
+    the file is labelled (those are parsed here, as every block is with one thread). Results are
+    taken in file order, so what comes out, and the first error raised, are those of the
+    sequential reader: a malformed line raises only once every earlier block has been parsed
+    without error, and a damaged gzip stream only once the blocks before the damage are done.
+
+    Placement in ``out``: a block's rows are written from ``out.num_rows`` plus the lines of the
+    earlier blocks still in flight, which is exact unless rows are dropped (``on_bad_rows="skip"``);
+    then its rows are moved up to close the gap once the earlier blocks are done. ``out`` grows (a copy into
+    new arrays) only with nothing in flight.
+    """
+    source = str(path)
+    max_in_flight = 2 * num_threads if num_threads > 1 else 0
+    in_flight: _InFlight = deque()
+    pool: ThreadPoolExecutor | None = None  # once labelled is settled (threads start on demand)
+    blocks = line_blocks(path, block_bytes)
+    try:
+        next_row = 0
+        while True:
+            try:
+                block = next(blocks, None)
+            except CriteoFormatError:  # damaged gzip, overlong line: earlier bad lines come first
+                yield from _finish_all(in_flight, out)
+                raise
+            if block is None:
+                break
+            target = None
+            if out is not None:
+                if not in_flight:
+                    next_row = out.num_rows
+                if next_row + block.num_lines > len(out.arrays.labels):
+                    # growing replaces the arrays that blocks in flight write to
+                    yield from _finish_all(in_flight, out)
+                    next_row = out.num_rows
+                    out.reserve(block.num_lines, block.fraction_read)
+                target = out.arrays
+            args = (block.data, block.first_line, source, moduli, labelled, on_bad_rows, dense_transform)
+            future = _start_parse(pool, args, target, next_row)
+            if pool is None:  # one thread, or still deciding labelled/unlabelled: parsed here
+                labelled = future.result()[1]
+                if labelled is not None and max_in_flight:
+                    pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tsv-parse")
+            in_flight.append((future, next_row))
+            next_row += block.num_lines
+            while len(in_flight) > (max_in_flight if pool is not None else 0):
+                yield _finish_oldest(in_flight, out)
+        yield from _finish_all(in_flight, out)
+    finally:
+        if pool is not None:  # on an error: let running parses end (they write into `out`)
+            pool.shutdown(wait=True, cancel_futures=True)
+        blocks.close()
+
+
+def _start_parse(
+    pool: ThreadPoolExecutor | None, args: tuple, target: CriteoArrays | None, next_row: int
+) -> Future:
+    """Parse a block on the pool, or, without one, here and now (a finished future)."""
+    if pool is None:
+        future: Future = Future()
+        future.set_result(_parse(*args, target, next_row))
+        return future
+    return pool.submit(_parse, *args, target, next_row)
+
+
+def _finish_oldest(in_flight: _InFlight, out: _Output | None) -> CriteoArrays:
+    """Wait for the oldest parse in flight and account its rows in ``out``."""
+    future, row = in_flight.popleft()
+    part = future.result()[0]  # a malformed line raises here, after all earlier blocks
+    if out is not None:
+        if row != out.num_rows:  # earlier blocks dropped bad rows: close the gap
+            rows = slice(out.num_rows, out.num_rows + len(part))
+            for whole, done in zip(out.arrays.columns(), part.columns()):
+                whole[rows] = done  # numpy copies safely between overlapping views
+        out.append(part)
+    return part
+
+
+def _finish_all(in_flight: _InFlight, out: _Output | None) -> Iterator[CriteoArrays]:
+    """Every parse in flight, oldest first."""
+    while in_flight:
+        yield _finish_oldest(in_flight, out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Where read_tsv_files puts its rows
+# ----------------------------------------------------------------------------------------------
+
+class _Output:
+    """Rows parsed in place into arrays sized from an estimate of the final row count.
+
+    Concatenating parsed blocks would briefly hold the result twice. Instead the row count is
+    extrapolated from how far into the files the reader is (on disk, so compressed bytes for
+    gzip) and the arrays allocated once, generously: pages of a large ``np.empty`` that are never
+    written cost no memory (the OS maps them on first write), so the slack is free. If the
+    estimate still falls short, the arrays grow by a copy (re-estimated, so rarely twice).
+    """
+
+    SLACK = 1.25  # rows per byte vary along a file (missing values); gzip positions run ahead
+
+    def __init__(self, file_sizes: Sequence[int]) -> None:
+        self.file_sizes = list(file_sizes)  # on disk; 0 for a pipe, whose size is unknown
+        self.files_done = 0
+        self.arrays = CriteoArrays.empty(0)
+        self.num_rows = 0
+        self.num_bad_rows = 0
+        self.first_bad_row: str | None = None
+
+    def reserve(self, num_rows: int, fraction_of_file: float) -> None:
+        """Make room for ``num_rows`` more rows, ``fraction_of_file`` (0..1] of the current file
+        (the ``files_done``-th) having been read."""
+        needed = self.num_rows + num_rows
+        capacity = len(self.arrays)
+        if needed <= capacity:
+            return
+        done = sum(self.file_sizes[: self.files_done])
+        done += fraction_of_file * self.file_sizes[self.files_done]
+        fraction = done / sum(self.file_sizes) if done else 1.0
+        estimate = int(needed / fraction * self.SLACK)
+        grown = CriteoArrays.empty(max(needed, estimate, capacity + capacity // 4))
+        for new, old in zip(grown.columns(), self.arrays.columns()):
+            new[: self.num_rows] = old[: self.num_rows]
+        self.arrays = grown
+
+    def append(self, part: CriteoArrays) -> None:
+        """Account for rows just parsed into ``arrays[num_rows:]``."""
+        self.num_rows += len(part)
+        self.num_bad_rows += part.num_bad_rows
+        self.first_bad_row = self.first_bad_row or part.first_bad_row
+
+    def result(self) -> CriteoArrays:
+        """Views of the rows (the unused, never-written tail stays unmapped)."""
+        rows = slice(0, self.num_rows)
+        dense, sparse, labels = (column[rows] for column in self.arrays.columns())
+        return CriteoArrays(dense, sparse, labels, self.num_bad_rows, self.first_bad_row)

@@ -1,6 +1,7 @@
-"""A file on disk -> blocks of whole lines: plain or gzip (decompressed as it is read), never held
-in memory as a whole, with the line number each block starts at. An empty file, a damaged gzip
-stream and an overlong line raise :class:`~app.data.tsv_format.CriteoFormatError`."""
+"""Streaming a file on disk as blocks of whole lines: plain or gzip (decompressed as it is read),
+never held in memory as a whole, with the line number each block starts at. An empty file, a
+damaged gzip stream and an overlong line raise :class:`~app.data.tsv_decode.CriteoFormatError`.
+What the lines mean is :mod:`app.data.tsv_decode`'s job."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from app.data.tsv_format import _LF, CriteoFormatError
+from app.data.tsv_decode import CriteoFormatError
 
 # A valid row is under 600 bytes (13 dense values of at most 19 characters, 26 ids of at most 8).
 # A "line" this long without a newline means the file is not Criteo text; refusing it keeps the
@@ -23,6 +24,7 @@ from app.data.tsv_format import _LF, CriteoFormatError
 MAX_LINE_BYTES = 1024 * 1024
 
 _GZIP_MAGIC = b"\x1f\x8b"
+_NEWLINE = 10
 # What a damaged gzip stream raises: truncation (EOFError), bad header/CRC/length (BadGzipFile),
 # corrupt deflate data (zlib.error).
 _GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error)
@@ -43,7 +45,7 @@ def _open_text_stream(path: Path) -> Iterator[tuple[BinaryIO, BinaryIO]]:
 
 
 @dataclass
-class _Block:
+class LineBlock:
     """Whole lines of a file."""
 
     first_line: int  # 1-based number of the first line
@@ -52,7 +54,7 @@ class _Block:
     fraction_read: float  # how far into the file on disk (compressed, for gzip) reading has got
 
 
-def _line_blocks(path: Path, block_bytes: int) -> Iterator[_Block]:
+def line_blocks(path: Path, block_bytes: int) -> Iterator[LineBlock]:
     """The file's lines in blocks of about ``block_bytes``. Memory: a block and a partial line.
 
     Raises CriteoFormatError for an empty file, a damaged gzip stream or an overlong line.
@@ -77,18 +79,18 @@ def _line_blocks(path: Path, block_bytes: int) -> Iterator[_Block]:
             block = b"".join([*pending, memoryview(data)[:cut]])
             num_lines = _count_newlines(block)
             fraction_read = min(raw.tell() / size, 1.0) if size else 1.0
-            yield _Block(lines_done + 1, block, num_lines, fraction_read)
+            yield LineBlock(lines_done + 1, block, num_lines, fraction_read)
             lines_done += num_lines
             pending, pending_bytes = [data[cut:]], len(data) - cut
     if pending_bytes:
-        yield _Block(lines_done + 1, b"".join(pending), 1, 1.0)
+        yield LineBlock(lines_done + 1, b"".join(pending), 1, 1.0)
     elif lines_done == 0:
         raise CriteoFormatError(f"{source}:1: file is empty (no rows)")
 
 
 def _count_newlines(data: bytes) -> int:
     # numpy's vectorised compare-and-count is about 3x faster than bytes.count here.
-    return int(np.count_nonzero(np.frombuffer(data, dtype=np.uint8) == _LF))
+    return int(np.count_nonzero(np.frombuffer(data, dtype=np.uint8) == _NEWLINE))
 
 
 def _read_block(stream: BinaryIO, size: int, source: str, lines_done: int) -> bytes:

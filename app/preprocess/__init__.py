@@ -11,15 +11,15 @@ place with the real row count. No output is read back or copied.
 Resuming: a day is written under ``*.partial`` names and renamed when complete, so a day whose
 files all exist is finished: a re-run skips it (checking it was made from the same input file, by
 name and size, with the same options) and redoes only the others. The first pass of
-``--frequency-threshold`` resumes the same way (per file's id counts, then the saved vocabularies).
+``--frequency_threshold`` resumes the same way (per file's id counts, then the saved vocabularies).
 
-Memory per worker: a few chunks (``--block-mib``) plus the distinct ids of its file. With
-``--frequency-threshold`` the main process also holds one feature's distinct ids over all files
+Memory per worker: a few chunks (``--block_mib``) plus the distinct ids of its file. With
+``--frequency_threshold`` the main process also holds one feature's distinct ids over all files
 with their counts while merging (as TorchRec's own contiguous preprocessing does).
 
 One job per module: ``cli`` (the command line), ``config`` (the options and one day's task),
 ``runner`` (the whole run), ``chunks`` (raw TSV in chunks), ``day`` (one input file -> one day),
-``vocabulary`` (--frequency-threshold's counting pass, --vocabulary, mapping ids), ``id_counts``
+``vocabulary`` (--frequency_threshold's counting pass, --vocabulary, mapping ids), ``id_counts``
 (exact id counts), ``resume`` (which days and counts an earlier run finished), ``metadata``
 (metadata.json), ``workers`` (worker processes with one progress bar), ``files`` (files written
 whole or not at all).
@@ -27,11 +27,11 @@ whole or not at all).
 
 from app.data.tsv import NUM_DENSE, NUM_SPARSE
 from app.preprocess.chunks import RAW_IDS, iter_chunks
-from app.preprocess.cli import build_parser, default_workers, main
+from app.preprocess.cli import default_workers, main, preprocess
 from app.preprocess.config import DEFAULT_BLOCK_MIB, DENSE_TRANSFORMS, FORMAT_VERSION, Config, DayResult, DayTask
 from app.preprocess.day import convert_day
 from app.preprocess.files import NpyStreamWriter, read_sidecar_info
-from app.preprocess.id_counts import FEATURE_OFFSETS, IdCounter
+from app.preprocess.id_counts import FEATURE_OFFSETS, DistinctIds, IdCounter
 from app.preprocess.metadata import build_metadata
 from app.preprocess.runner import run
 from app.preprocess.vocabulary import (
@@ -57,16 +57,17 @@ __all__ = [
     "Config",
     "DayResult",
     "DayTask",
+    "DistinctIds",
     "IdCounter",
     "NpyStreamWriter",
     "build_metadata",
-    "build_parser",
     "convert_day",
     "count_ids",
     "default_workers",
     "iter_chunks",
     "load_vocabularies",
     "main",
+    "preprocess",
     "map_to_contiguous",
     "read_sidecar_info",
     "run",

@@ -13,7 +13,7 @@ RAW_IDS = [2**32] * NUM_SPARSE
 
 
 def iter_chunks(
-    path: Path, dense_transform: str, on_bad_rows: str, block_bytes: int
+    path: Path, dense_transform: str, on_bad_rows: str, block_bytes: int, num_threads: int = 1
 ) -> Iterator[tuple[CriteoArrays, int]]:
     """``(rows with raw ids, number of bad rows skipped)`` per chunk of about ``block_bytes`` of a raw
     TSV file (plain or gzip), streamed by ``app.data.tsv.iter_tsv_chunks``.
@@ -22,13 +22,10 @@ def iter_chunks(
     are joined here into larger chunks, so that the per-chunk work (np.unique, three writes, a
     progress message) is not paid per small block.
     """
-    streaming = getattr(tsv, "iter_tsv_chunks", None)
-    if streaming is None:
-        blocks = _whole_file(path, dense_transform, on_bad_rows)
-    else:
-        blocks = streaming(
-            path, RAW_IDS, None, block_bytes=tsv.CHUNK_BYTES, on_bad_rows=on_bad_rows, dense_transform=dense_transform
-        )
+    blocks = tsv.iter_tsv_chunks(
+        path, RAW_IDS, None, block_bytes=tsv.CHUNK_BYTES, on_bad_rows=on_bad_rows, dense_transform=dense_transform,
+        num_threads=num_threads,
+    )
     blocks_per_chunk = max(1, block_bytes // tsv.CHUNK_BYTES)
     group: list[CriteoArrays] = []
     skipped = 0
@@ -40,15 +37,3 @@ def iter_chunks(
             group, skipped = [], 0
     if group:
         yield CriteoArrays.concat(group), skipped
-
-
-def _whole_file(path: Path, dense_transform: str, on_bad_rows: str) -> Iterator[tuple[CriteoArrays, int]]:
-    """For an ``app.data.tsv`` without ``iter_tsv_chunks``: the whole file in one piece, so memory is
-    NOT bounded by the chunk size there; only the reader's default options are offered."""
-    if dense_transform != "log1p" or on_bad_rows != "error":
-        raise ValueError(
-            f"--dense-transform {dense_transform} --on-bad-rows {on_bad_rows}: this app/data/tsv.py has no "
-            "iter_tsv_chunks; only --dense-transform log1p with --on-bad-rows error can be read"
-        )
-    arrays = tsv.read_tsv(path, RAW_IDS)
-    yield arrays, 0

@@ -1,4 +1,4 @@
-"""What to preprocess: the options of a run (:class:`Config`, checked by :func:`_check_config`),
+"""What to preprocess: the options of a run (:class:`Config`, checked by :func:`check_config`),
 one input file's task (:class:`DayTask`) and what a worker reports back (:class:`DayResult`)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 DEFAULT_BLOCK_MIB = 8
 DENSE_TRANSFORMS = ("log1p", "log_plus_3")
 # Bump when the output layout changes, so that a re-run does not mix old and new days.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: ids stored as int32 (raw 32-bit hashes and contiguous ids both fit)
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class DayTask:
     block_bytes: int
     vocabulary_dir: Path | None  # where vocab_feature_j.npy are, or None for raw ids
     signature: dict[str, Any] = field(default_factory=dict)  # what makes two runs' days alike
+    num_threads: int = 1  # parse threads of the worker (more when there are fewer files than cores)
 
     def path(self, part: str) -> Path:
         """``day_N_<part>`` in the output folder, e.g. ``part="dense.npy"``."""
@@ -56,18 +57,18 @@ class DayResult:
     busy_seconds: float
 
 
-def _check_config(config: Config) -> None:
+def check_config(config: Config) -> None:
     if config.workers < 1:
         raise ValueError(f"--workers {config.workers}: must be at least 1")
     if config.frequency_threshold < 0:
-        raise ValueError(f"--frequency-threshold {config.frequency_threshold}: must be >= 0 (0 = raw ids)")
+        raise ValueError(f"--frequency_threshold {config.frequency_threshold}: must be >= 0 (0 = raw ids)")
     if config.vocabulary is not None and config.frequency_threshold:
         raise ValueError(
-            "--vocabulary and --frequency-threshold exclude each other: the vocabulary already applies its threshold"
+            "--vocabulary and --frequency_threshold exclude each other: the vocabulary already applies its threshold"
         )
     if config.dense_transform not in DENSE_TRANSFORMS:
-        raise ValueError(f"--dense-transform {config.dense_transform}: expected one of {', '.join(DENSE_TRANSFORMS)}")
+        raise ValueError(f"--dense_transform {config.dense_transform}: expected one of {', '.join(DENSE_TRANSFORMS)}")
     if config.on_bad_rows not in ("error", "skip"):
-        raise ValueError(f"--on-bad-rows {config.on_bad_rows}: expected error or skip")
+        raise ValueError(f"--on_bad_rows {config.on_bad_rows}: expected error or skip")
     if config.block_mib < 1:
-        raise ValueError(f"--block-mib {config.block_mib}: must be at least 1")
+        raise ValueError(f"--block_mib {config.block_mib}: must be at least 1")

@@ -11,9 +11,9 @@ import numpy as np
 from app.data.tsv import NUM_DENSE, NUM_SPARSE
 from app.preprocess.chunks import iter_chunks
 from app.preprocess.config import DayResult, DayTask
-from app.preprocess.files import NpyStreamWriter, _save_npz_atomically
-from app.preprocess.id_counts import IdCounter
-from app.preprocess.resume import _input_info
+from app.preprocess.files import NpyStreamWriter, save_npz_atomically
+from app.preprocess.id_counts import DistinctIds
+from app.preprocess.resume import input_info
 from app.preprocess.vocabulary import load_vocabularies, map_to_contiguous
 from app.preprocess.workers import report_rows
 
@@ -24,12 +24,16 @@ def convert_day(task: DayTask) -> DayResult:
     vocabularies = load_vocabularies(task.vocabulary_dir) if task.vocabulary_dir else None
     writers = [
         NpyStreamWriter(task.path("dense.npy"), np.float32, (NUM_DENSE,)),
-        NpyStreamWriter(task.path("sparse.npy"), np.int64, (NUM_SPARSE,)),
+        # int32: raw ids are 32-bit hashes (stored as their bits; readers take them as unsigned) and
+        # contiguous ids stay below 2**31, so half of int64's bytes to write, cache and read.
+        NpyStreamWriter(task.path("sparse.npy"), np.int32, (NUM_SPARSE,)),
         NpyStreamWriter(task.path("labels.npy"), np.int32, (1,)),
     ]
-    counter, positives, skipped, labelled, first_bad_row = IdCounter(), 0, 0, True, None
+    counter, positives, skipped, labelled, first_bad_row = DistinctIds(), 0, 0, True, None
     try:
-        for arrays, skipped_here in iter_chunks(task.input, task.dense_transform, task.on_bad_rows, task.block_bytes):
+        for arrays, skipped_here in iter_chunks(
+            task.input, task.dense_transform, task.on_bad_rows, task.block_bytes, task.num_threads
+        ):
             counter.add_ids(arrays.sparse)
             sparse = arrays.sparse if vocabularies is None else map_to_contiguous(arrays.sparse, vocabularies)
             for writer, part in zip(writers, (arrays.dense, sparse, arrays.labels)):
@@ -53,10 +57,10 @@ def convert_day(task: DayTask) -> DayResult:
     return DayResult(task.day, writers[0].rows, time.perf_counter() - started)
 
 
-def _save_day_stats(task: DayTask, stats: dict, counter: IdCounter) -> None:
+def _save_day_stats(task: DayTask, stats: dict, counter: DistinctIds) -> None:
     """The day's counts and its distinct raw ids per feature (uint32: raw ids are below 2**32),
     kept so that metadata.json can count distinct ids over all days, also after a resumed run."""
-    unique = [ids.astype(np.uint32) for ids, _ in counter.per_feature()]
-    info = dict(stats, **_input_info(task), signature=task.signature, distinct_ids_per_feature=[u.size for u in unique])
+    unique = counter.per_feature()
+    info = dict(stats, **input_info(task), signature=task.signature, distinct_ids_per_feature=[u.size for u in unique])
     members = {f"unique_{j}": ids for j, ids in enumerate(unique)}
-    _save_npz_atomically(task.path("stats.npz"), info=np.array(json.dumps(info)), **members)
+    save_npz_atomically(task.path("stats.npz"), info=np.array(json.dumps(info)), **members)

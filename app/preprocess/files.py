@@ -66,7 +66,7 @@ def read_sidecar_info(path: Path) -> dict[str, Any]:
         return json.loads(sidecar["info"].item())
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
@@ -75,20 +75,20 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not valid JSON ({error})") from None
 
 
-def _write_json_atomically(path: Path, value: dict[str, Any]) -> None:
+def write_json_atomically(path: Path, value: dict[str, Any]) -> None:
     partial = Path(f"{path}.partial")
     partial.write_text(json.dumps(value, indent=2, default=str) + "\n")
     os.replace(partial, path)
 
 
-def _save_npz_atomically(path: Path, **arrays: np.ndarray) -> None:
+def save_npz_atomically(path: Path, **arrays: np.ndarray) -> None:
     partial = Path(f"{path}.partial")
     with open(partial, "wb") as file:  # np.savez appends ".npz" to a file name, not to an open file
         np.savez(file, **arrays)
     os.replace(partial, path)
 
 
-def _save_npy_atomically(path: Path, array: np.ndarray) -> None:
+def save_npy_atomically(path: Path, array: np.ndarray) -> None:
     partial = Path(f"{path}.partial")
     with open(partial, "wb") as file:
         np.lib.format.write_array(file, array, allow_pickle=False)

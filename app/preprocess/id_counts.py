@@ -58,3 +58,44 @@ class IdCounter:
             (self.keys[a:b] - FEATURE_OFFSETS[j], self.counts[a:b])
             for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))
         ]
+
+
+class DistinctIds:
+    """The distinct raw ids of each feature (no counts): what a day's stats need, about 3x cheaper
+    than :class:`IdCounter`, because one uint32 sort of the transposed chunk covers all 26 features.
+
+    Each chunk's distinct ids are kept per feature and merged into the total only once the pending
+    ones hold as many ids as the total (each id re-sorted a logarithmic number of times).
+    """
+
+    def __init__(self) -> None:
+        self.ids = [np.empty(0, dtype=np.uint32) for _ in range(NUM_SPARSE)]
+        self._pending: list[list[np.ndarray]] = [[] for _ in range(NUM_SPARSE)]
+        self._pending_ids = np.zeros(NUM_SPARSE, dtype=np.int64)
+
+    def add_ids(self, ids: np.ndarray) -> None:
+        """Add a chunk of raw ids, (rows, 26) in [0, 2**32)."""
+        if ids.shape[0] == 0:
+            return
+        columns = np.ascontiguousarray(ids.T, dtype=np.uint32)  # raw ids are 32-bit: exact
+        columns.sort(axis=1)
+        first = np.empty(columns.shape, dtype=bool)
+        first[:, 0] = True
+        np.not_equal(columns[:, 1:], columns[:, :-1], out=first[:, 1:])
+        for j in range(NUM_SPARSE):
+            distinct = columns[j][first[j]]
+            self._pending[j].append(distinct)
+            self._pending_ids[j] += distinct.size
+            if self._pending_ids[j] >= max(self.ids[j].size, 1 << 20):
+                self._merge(j)
+
+    def _merge(self, j: int) -> None:
+        if self._pending[j]:
+            self.ids[j] = np.unique(np.concatenate([self.ids[j], *self._pending[j]]))
+            self._pending[j], self._pending_ids[j] = [], 0
+
+    def per_feature(self) -> list[np.ndarray]:
+        """The sorted distinct raw ids (uint32) of each of the 26 features."""
+        for j in range(NUM_SPARSE):
+            self._merge(j)
+        return self.ids

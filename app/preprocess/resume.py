@@ -13,12 +13,12 @@ from app.preprocess.config import FORMAT_VERSION, Config, DayTask
 from app.preprocess.files import read_sidecar_info
 
 
-def _input_info(task: DayTask) -> dict[str, Any]:
+def input_info(task: DayTask) -> dict[str, Any]:
     """What identifies a day's input file (and the reading options) in its sidecar files."""
     return {"input": str(task.input), "input_bytes": task.input.stat().st_size, "on_bad_rows": task.on_bad_rows}
 
 
-def _signature(config: Config, vocabulary: dict[str, Any] | None) -> dict[str, Any]:
+def day_signature(config: Config, vocabulary: dict[str, Any] | None) -> dict[str, Any]:
     """What a day's content depends on besides its input file: equal signatures, equal days."""
     return {
         "format_version": FORMAT_VERSION,
@@ -28,20 +28,20 @@ def _signature(config: Config, vocabulary: dict[str, Any] | None) -> dict[str, A
     }
 
 
-def _counted_already(task: DayTask) -> bool:
+def counted_already(task: DayTask) -> bool:
     """Whether an interrupted earlier run left this input's id counts (first pass) complete."""
     path = task.path("id_counts.npz")
     identity = ("input_bytes", "on_bad_rows")
     if not path.is_file():
         return False
-    info, current = read_sidecar_info(path), _input_info(task)
+    info, current = read_sidecar_info(path), input_info(task)
     if Path(info["input"]).name == task.input.name and all(info[k] == current[k] for k in identity):
         print(f"day {task.day}: ids already counted ({task.input.name})", file=sys.stderr)
         return True
     return False
 
 
-def _already_done(task: DayTask) -> bool:
+def already_done(task: DayTask) -> bool:
     """Whether the day's files are complete and made from this input with these options."""
     parts = ("dense.npy", "sparse.npy", "labels.npy", "stats.npz")
     if not all(task.path(part).is_file() for part in parts):
@@ -63,7 +63,7 @@ def _already_done(task: DayTask) -> bool:
     return True
 
 
-def _warn_about_other_days(output: Path, num_days: int) -> None:
+def warn_about_other_days(output: Path, num_days: int) -> None:
     """Day files beyond this run's inputs (from an earlier run) would be read as part of the set."""
     extra = sorted(
         int(m.group(1)) for p in output.glob("day_*_dense.npy")

@@ -3,39 +3,44 @@ already complete on worker processes, write ``metadata.json`` and print a summar
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from app.data.tsv import expand_paths
-from app.preprocess.config import Config, DayResult, DayTask, _check_config
+from app.data.tsv import MAX_DEFAULT_THREADS, expand_paths
+from app.preprocess.config import Config, DayResult, DayTask, check_config
 from app.preprocess.day import convert_day
-from app.preprocess.files import _write_json_atomically
+from app.preprocess.files import write_json_atomically
 from app.preprocess.metadata import build_metadata
-from app.preprocess.resume import _already_done, _signature, _warn_about_other_days
-from app.preprocess.vocabulary import _prepare_vocabulary
+from app.preprocess.resume import already_done, day_signature, warn_about_other_days
+from app.preprocess.vocabulary import prepare_vocabulary
 from app.preprocess.workers import run_tasks
 
 
 def run(config: Config) -> dict[str, Any]:
     """Preprocess ``config.inputs`` into ``config.output``; returns the metadata written."""
     started = time.perf_counter()
-    _check_config(config)
+    check_config(config)
     inputs = expand_paths(config.inputs)
     config.output.mkdir(parents=True, exist_ok=True)
-    vocabulary = _prepare_vocabulary(config, inputs)
-    signature = _signature(config, vocabulary)
+    vocabulary = prepare_vocabulary(config, inputs)
+    signature = day_signature(config, vocabulary)
     tasks = [
         DayTask(day, path, config.output, config.dense_transform, config.on_bad_rows,
                 config.block_mib << 20, vocabulary["dir"] if vocabulary else None, signature)
         for day, path in enumerate(inputs)
     ]
-    _warn_about_other_days(config.output, len(tasks))
-    todo = [task for task in tasks if not _already_done(task)]
+    warn_about_other_days(config.output, len(tasks))
+    todo = [task for task in tasks if not already_done(task)]
+    # Fewer files than cores (Kaggle's one train.txt): each worker parses on several threads.
+    processes = max(1, min(config.workers, len(todo)))
+    threads = max(1, min(MAX_DEFAULT_THREADS, config.workers // processes))
+    todo = [dataclasses.replace(task, num_threads=threads) for task in todo]
     results = run_tasks(convert_day, todo, config.workers, "converting", config.progress)
     metadata = build_metadata(config, tasks, vocabulary)
-    _write_json_atomically(config.output / "metadata.json", metadata)
+    write_json_atomically(config.output / "metadata.json", metadata)
     _print_summary(results, len(tasks), config.workers, time.perf_counter() - started, config.output)
     return metadata
 

@@ -1,4 +1,4 @@
-"""Vocabularies (``--frequency-threshold``, ``--vocabulary``): the counting pass that makes them
+"""Vocabularies (``--frequency_threshold``, ``--vocabulary``): the counting pass that makes them
 (per file's id counts, merged one feature at a time, the ids seen >= T times kept), choosing the one
 a run maps with, and mapping raw ids to contiguous ids with it."""
 
@@ -16,9 +16,9 @@ import numpy as np
 from app.data.tsv import NUM_SPARSE
 from app.preprocess.chunks import iter_chunks
 from app.preprocess.config import Config, DayResult, DayTask
-from app.preprocess.files import _read_json, _save_npy_atomically, _save_npz_atomically, _write_json_atomically
+from app.preprocess.files import read_json, save_npy_atomically, save_npz_atomically, write_json_atomically
 from app.preprocess.id_counts import IdCounter
-from app.preprocess.resume import _counted_already, _input_info
+from app.preprocess.resume import counted_already, input_info
 from app.preprocess.workers import report_rows, run_tasks
 
 # Contiguous ids (TorchRec): 1 for rare or unseen ids, 2 for the first vocabulary entry.
@@ -58,7 +58,7 @@ def map_to_contiguous(raw_ids: np.ndarray, vocabularies: Sequence[np.ndarray]) -
 
 
 def count_ids(task: DayTask) -> DayResult:
-    """First pass of ``--frequency-threshold``: every id of one file with its count, saved as
+    """First pass of ``--frequency_threshold``: every id of one file with its count, saved as
     ``day_N_id_counts.npz`` (files, not pickles through a pipe: a Terabyte day has ~10**8 ids)."""
     started = time.perf_counter()
     counter, rows = IdCounter(), 0
@@ -69,7 +69,7 @@ def count_ids(task: DayTask) -> DayResult:
     members = {}
     for j, (ids, counts) in enumerate(counter.per_feature()):
         members[f"ids_{j}"], members[f"counts_{j}"] = ids.astype(np.uint32), counts
-    _save_npz_atomically(task.path("id_counts.npz"), info=np.array(json.dumps(_input_info(task))), **members)
+    save_npz_atomically(task.path("id_counts.npz"), info=np.array(json.dumps(input_info(task))), **members)
     return DayResult(task.day, rows, time.perf_counter() - started)
 
 
@@ -84,17 +84,17 @@ def _save_vocabularies(folder: Path, count_files: Sequence[Path], threshold: int
                 counter.add_counts(counts[f"ids_{j}"].astype(np.int64), counts[f"counts_{j}"])
         counter.merge()
         kept = counter.keys[counter.counts >= threshold]
-        _save_npy_atomically(vocabulary_path(folder, j), kept)
+        save_npy_atomically(vocabulary_path(folder, j), kept)
         sizes.append(int(kept.size))
-    _write_json_atomically(folder / "vocabulary.json", dict(description, sizes=sizes))
+    write_json_atomically(folder / "vocabulary.json", dict(description, sizes=sizes))
     return sizes
 
 
-def _prepare_vocabulary(config: Config, inputs: Sequence[Path]) -> dict[str, Any] | None:
+def prepare_vocabulary(config: Config, inputs: Sequence[Path]) -> dict[str, Any] | None:
     """The vocabulary to map ids with: None (raw ids), a given one, or one counted now (or saved by
     an earlier run over the same inputs with the same threshold)."""
     if config.vocabulary is not None:
-        description = _read_json(config.vocabulary / "vocabulary.json")
+        description = read_json(config.vocabulary / "vocabulary.json")
         load_vocabularies(config.vocabulary)  # fail now, naming a missing file, not in every worker
         return dict(description, dir=config.vocabulary)
     if not config.frequency_threshold:
@@ -104,18 +104,18 @@ def _prepare_vocabulary(config: Config, inputs: Sequence[Path]) -> dict[str, Any
     description = {"threshold": config.frequency_threshold, "inputs": described}
     saved = config.output / "vocabulary.json"
     if saved.is_file():
-        previous = _read_json(saved)
+        previous = read_json(saved)
         if {k: previous.get(k) for k in description} != description:
             # Never overwrite it: days already written there were mapped with it.
             raise ValueError(
                 f"{saved}: made with threshold {previous.get('threshold')} from other inputs or with another "
-                f"threshold than --frequency-threshold {config.frequency_threshold} now; use a new --output folder"
+                f"threshold than --frequency_threshold {config.frequency_threshold} now; use a new --output folder"
             )
         print(f"reusing the vocabularies in {config.output} (same inputs and threshold)", file=sys.stderr)
         return dict(previous, dir=config.output)
     tasks = [DayTask(i, p, config.output, config.dense_transform, config.on_bad_rows, config.block_mib << 20, None)
              for i, p in enumerate(inputs)]
-    todo = [task for task in tasks if not _counted_already(task)]
+    todo = [task for task in tasks if not counted_already(task)]
     run_tasks(count_ids, todo, config.workers, "counting ids", config.progress)
     count_files = [task.path("id_counts.npz") for task in tasks]
     sizes = _save_vocabularies(config.output, count_files, config.frequency_threshold, description)

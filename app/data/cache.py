@@ -1,0 +1,180 @@
+"""The cache of raw TSV converted to NumPy day files: where it is, whether it can be reused, and
+making it (with :mod:`app.preprocess`, once, in parallel, resumable).
+
+Raw Criteo text is parsed once per input set, not once per run and rank: ``fit``, ``validate`` and
+``test`` read the cached days memory-mapped, so host memory per rank stays bounded whatever the
+data size (docs/data.md). One input set (a split's files) is one folder
+``<cache_dir>/<name>-<hash of the input paths>``, holding the preprocessor's ``day_N_*.npy`` and
+``metadata.json`` and this module's ``cache.json``:
+
+* ``fingerprint``: the inputs (absolute path, size, modification time) and the options that shape
+  the days (dense transform, bad-row handling, the preprocessor's format version). A cache whose
+  fingerprint differs from the run's is stale: it is deleted and made again, never read.
+* ``complete``: written ``true`` last, once every day and ``metadata.json`` are in place. A folder
+  without it was left by a killed or failed conversion: the next conversion resumes it (finished
+  days are kept, see :mod:`app.preprocess.resume`).
+* ``error``: why the last conversion failed, so that ranks that did not convert (they wait in
+  Lightning's barrier while local rank 0 converts) stop with the same message instead of waiting.
+
+A lock file (``<folder>.lock``) makes concurrent conversions of one folder (several ranks, or
+several jobs sharing the storage) take turns: the first converts, the others then find it done.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+
+from app.preprocess import FORMAT_VERSION, Config, default_workers
+from app.preprocess import run as preprocess
+
+CACHE_FILE = "cache.json"
+DEFAULT_CACHE_FOLDER = "criteo_cache"  # beside the raw data unless data.cache_dir says otherwise
+
+
+@dataclass(frozen=True)
+class CacheRequest:
+    """One input set to cache: its raw files (in day order) and the options that shape its days."""
+
+    inputs: tuple[Path, ...]
+    dense_transform: str
+    on_bad_rows: str
+    cache_dir: Path | None = None  # None: DEFAULT_CACHE_FOLDER beside the first input
+    workers: int | None = None  # conversion processes (and threads); None: the cores here
+
+    @property
+    def folder(self) -> Path:
+        """Where the days of this input set are cached."""
+        first = self.inputs[0].resolve()
+        root = self.cache_dir if self.cache_dir is not None else first.parent / DEFAULT_CACHE_FOLDER
+        paths = "\n".join(str(p.resolve()) for p in self.inputs)
+        digest = hashlib.sha256(paths.encode()).hexdigest()[:12]
+        name = first.name.split(".")[0] + (f"_and_{len(self.inputs) - 1}_more" if len(self.inputs) > 1 else "")
+        return Path(root).expanduser() / f"{name}-{digest}"
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What the cached days depend on: equal fingerprints, equal days."""
+        inputs = []
+        for path in self.inputs:
+            stat = path.stat()
+            inputs.append({"path": str(path.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+        return {
+            "format_version": FORMAT_VERSION,
+            "dense_transform": self.dense_transform,
+            "on_bad_rows": self.on_bad_rows,
+            "inputs": inputs,
+        }
+
+
+def cached_days(request: CacheRequest, convert: bool = True) -> Path:
+    """The folder of ``request``'s cached days, converted first if needed (and ``convert``).
+
+    Without ``convert`` (ranks that wait while another converts), a folder that is not complete
+    raises the error recorded by the failed conversion, or says it is missing.
+    """
+    folder = request.folder
+    fingerprint = request.fingerprint()
+    if _is_complete(folder, fingerprint):
+        return folder
+    _make_parent(folder)
+    with FileLock(f"{folder}.lock"):
+        state = _read_state(folder)
+        if state.get("fingerprint") == fingerprint and state.get("complete"):
+            return folder  # another process converted it while this one waited
+        if not convert:
+            recorded = state.get("error") if state.get("fingerprint") == fingerprint else None
+            raise ValueError(
+                f"data cache {folder} is not complete: "
+                + (f"its conversion failed: {recorded}" if recorded else "the conversion on local rank 0 did not finish")
+            )
+        _convert(request, folder, fingerprint, state)
+    return folder
+
+
+def _is_complete(folder: Path, fingerprint: dict[str, Any]) -> bool:
+    state = _read_state(folder)
+    return bool(state.get("complete")) and state.get("fingerprint") == fingerprint
+
+
+def _read_state(folder: Path) -> dict[str, Any]:
+    try:
+        return json.loads((folder / CACHE_FILE).read_text())
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        return {}
+
+
+def _write_state(folder: Path, state: dict[str, Any]) -> None:
+    partial = folder / f"{CACHE_FILE}.partial"
+    partial.write_text(json.dumps(state, indent=2) + "\n")
+    os.replace(partial, folder / CACHE_FILE)
+
+
+def _make_parent(folder: Path) -> None:
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"cannot create the data cache folder {folder.parent} ({error}); set data.cache_dir") from None
+
+
+def _convert(request: CacheRequest, folder: Path, fingerprint: dict[str, Any], state: dict[str, Any]) -> None:
+    """Convert (or finish converting) the input set into ``folder``, recording the outcome."""
+    if folder.exists() and state.get("fingerprint") != fingerprint:
+        why = "other inputs or options" if state else "an unknown run"
+        print(f"data cache {folder} was made from {why}: converting again", file=sys.stderr)
+        shutil.rmtree(folder)
+    elif state.get("error"):
+        print(f"data cache {folder}: the last conversion failed ({state['error']}); converting again", file=sys.stderr)
+    elif folder.exists():
+        print(f"data cache {folder}: resuming an unfinished conversion", file=sys.stderr)
+    workers = request.workers if request.workers is not None else default_workers()
+    config = Config(
+        inputs=[str(p) for p in request.inputs],
+        output=folder,
+        workers=workers,
+        dense_transform=request.dense_transform,
+        on_bad_rows=request.on_bad_rows,
+        progress=sys.stderr.isatty(),
+    )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_state(folder, {"fingerprint": fingerprint, "complete": False, "error": None})
+        preprocess(config)
+        _write_state(folder, {"fingerprint": fingerprint, "complete": True, "error": None})
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            _record_failure(folder, fingerprint, error)
+            raise
+        full = ValueError(
+            f"no space left on the disk holding the data cache {folder}: free some, or set data.cache_dir to a "
+            "folder with room (the cache takes 160 bytes per row, about 2/3 of the raw text)"
+        )
+        _record_failure(folder, fingerprint, full)
+        raise full from None
+    except BaseException as error:
+        _record_failure(folder, fingerprint, error)
+        raise
+
+
+def _record_failure(folder: Path, fingerprint: dict[str, Any], error: BaseException) -> None:
+    try:
+        _write_state(folder, {"fingerprint": fingerprint, "complete": False, "error": str(error) or type(error).__name__})
+    except OSError:
+        pass  # a full disk may refuse even this; the waiting ranks then say the conversion did not finish
+
+
+def read_metadata(folder: Path) -> dict[str, Any]:
+    """The preprocessor's ``metadata.json`` of a folder of days (rows, skipped rows, distinct ids)."""
+    path = folder / "metadata.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: missing; the folder was not written by app.preprocess") from None
