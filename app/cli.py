@@ -20,6 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from app.callbacks import PredictionWriter, SamplesPerSecond
 from app.data.datamodule import CriteoDataModule
+from app.health import RankHealth
 from app.module import DLRMModule
 
 # Errors a user causes with a setting or a file: shown as one line, not a traceback.
@@ -34,6 +35,7 @@ class DLRMCLI(LightningCLI):
         parser.link_arguments("data.num_embeddings_per_feature", "model.num_embeddings_per_feature")
         parser.add_lightning_class_args(SamplesPerSecond, "throughput")
         parser.add_lightning_class_args(PredictionWriter, "prediction_writer")
+        parser.add_lightning_class_args(RankHealth, "rank_health")
 
 
 def _silence_known_library_noise() -> None:

@@ -140,26 +140,36 @@ def _final_metrics(root: Path) -> dict[str, float]:
     rows = list(csv.DictReader(path.open()))
     val = [r for r in rows if r.get("val/auc")][-1]
     train = [r for r in rows if r.get("train/loss")][-1]
-    return {"val/auc": float(val["val/auc"]), "val/logloss": float(val["val/logloss"]), "train/loss": float(train["train/loss"])}
+    return {key: float(row[key]) for row, key in ((val, "val/auc"), (val, "val/logloss"), (train, "train/loss"))}
 
 
-def test_two_torchrun_nodes_end_with_the_metrics_of_one_node_with_two_processes(sample, tmp_path):
+def test_two_torchrun_nodes_end_with_the_metrics_of_one_node_and_a_slow_rank_is_reported(sample, tmp_path):
+    """Rank 1 of the two-node run sleeps 0.2 s before each step (a test-only callback): the same
+    metrics (sleeping changes no number), and the slow-rank warning there and only there."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--master_addr", "127.0.0.1", "--rdzv-conf", "timeout=60"]
     two_nodes, one_node = tmp_path / "two_nodes", tmp_path / "one_node"
+    health = ["--rank_health.every_n_steps", "4"]
+    slow = ["--trainer.callbacks+=cluster_callbacks.SlowRank", "--trainer.callbacks.delay_s", "0.2"]
     port = free_port()
     nodes = [
         start([*torchrun, "--nnodes", "2", "--nproc_per_node", "1", "--node_rank", str(n), "--master_port", str(port),
-               "-m", "app", *app_args(sample, two_nodes, "--trainer.devices", "1", "--trainer.num_nodes", "2")],
+               "-m", "app", *app_args(sample, two_nodes, "--trainer.devices", "1", "--trainer.num_nodes", "2", *health, *slow)],
               tmp_path / f"node{n}.log")
         for n in (0, 1)
     ]  # fmt: skip
-    for n, process in enumerate(nodes):
-        returncode, log = finish(process, tmp_path / f"node{n}.log")
+    logs = [finish(process, tmp_path / f"node{n}.log") for n, process in enumerate(nodes)]
+    for returncode, log in logs:
         assert returncode == 0, log[-3000:]
     single = start([*torchrun, "--nnodes", "1", "--nproc_per_node", "2", "--master_port", str(free_port()),
-                    "-m", "app", *app_args(sample, one_node, "--trainer.devices", "2")], tmp_path / "single.log")  # fmt: skip
-    returncode, log = finish(single, tmp_path / "single.log")
-    assert returncode == 0, log[-3000:]
+                    "-m", "app", *app_args(sample, one_node, "--trainer.devices", "2", *health)], tmp_path / "single.log")  # fmt: skip
+    returncode, single_log = finish(single, tmp_path / "single.log")
+    assert returncode == 0, single_log[-3000:]
 
     assert _final_metrics(two_nodes) == _final_metrics(one_node)
     assert _final_metrics(one_node)["val/auc"] != 0.5  # a real evaluation, not an empty one
+    assert "slow rank: rank 1 spends" in logs[0][1], logs[0][1][-3000:]
+    assert "slow rank" not in single_log
+    (path,) = two_nodes.glob("logs/version_*/metrics.csv")
+    gaps = [(float(r["health/between_steps_ms/rank0"]), float(r["health/between_steps_ms/rank1"]))
+            for r in csv.DictReader(path.open()) if r.get("health/between_steps_ms/rank1")]  # fmt: skip
+    assert len(gaps) == 3 and all(slow_ms >= 200 > fast_ms for fast_ms, slow_ms in gaps), gaps
