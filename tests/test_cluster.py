@@ -124,6 +124,7 @@ def test_a_rank_that_dies_or_freezes_mid_run_ends_the_other_within_the_timeout(s
         for signal_name, ((node0, log0), (node1, _)) in jobs.items():
             returncode, log = finish(node0, log0)
             assert returncode != 0, log[-3000:]
+            assert "another rank died or stalled longer than trainer.strategy.init_args.timeout_s" in log, log[-3000:]
             if signal_name == "SIGSTOP":
                 # No peer error can arrive from a frozen rank: only the process-group timeout ends rank 0.
                 assert "timeout" in log.lower() and node1.poll() is None, log[-3000:]

@@ -118,3 +118,15 @@ def test_distributed_metrics_equal_one_process_metrics_of_the_same_predictions(w
     assert binned["val/auc_max_error"] == pytest.approx(_max_error(result["probabilities"], y, 100), rel=1e-5)
     assert abs(binned["val/auc"] - logged["val/auc"]) <= binned["val/auc_max_error"]
     assert binned["val/logloss"] == logged["val/logloss"]
+
+
+def test_the_mode_is_a_yaml_setting(capsys):
+    from app.cli import cli_main
+
+    try:
+        cli_main(["fit", "--config", "configs/demo.yaml", "--model.eval_metrics", "binned",
+                  "--model.auc_num_thresholds", "1000", "--print_config"])  # fmt: skip
+    except SystemExit as exit_info:
+        assert exit_info.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "eval_metrics: binned" in printed and "auc_num_thresholds: 1000" in printed
