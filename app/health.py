@@ -29,7 +29,9 @@ class RankHealth(Callback):
             differences too small to matter).
     """
 
-    def __init__(self, every_n_steps: int | None = None, slow_rank_factor: float = 2.0, slow_rank_min_ms: float = 50.0) -> None:
+    def __init__(
+        self, every_n_steps: int | None = None, slow_rank_factor: float = 2.0, slow_rank_min_ms: float = 50.0
+    ) -> None:
         if slow_rank_factor <= 1:
             raise ValueError(f"rank_health.slow_rank_factor = {slow_rank_factor}: must be > 1")
         self.every_n_steps = every_n_steps
@@ -82,7 +84,8 @@ class RankHealth(Callback):
             rank_zero_warn(
                 f"slow rank: rank {slowest} spends {slowest_ms:.0f} ms between steps, the median rank "
                 f"{median_ms:.0f} ms (step {trainer.global_step}; every step waits for it, {step_ms:.0f} ms per "
-                f"step): check its node's data loading, CPU and GPU (rank_health.slow_rank_factor = {self.slow_rank_factor})"
+                f"step): check its node's data loading, CPU and GPU "
+                f"(rank_health.slow_rank_factor = {self.slow_rank_factor})"
             )
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:

@@ -129,5 +129,5 @@ def build_eval_metrics(prefix: str, mode: EvalMetrics = "exact", auc_num_thresho
         }
     else:
         raise ValueError(f"model.eval_metrics = {mode!r}: use exact or binned")
-    others = {"logloss": LogLoss(), "ne": NormalizedEntropy(), "calibration": Calibration(), "accuracy": BinaryAccuracy()}
-    return MetricCollection({**auc, **others}, prefix=prefix)
+    sums = {"logloss": LogLoss(), "ne": NormalizedEntropy(), "calibration": Calibration(), "accuracy": BinaryAccuracy()}
+    return MetricCollection({**auc, **sums}, prefix=prefix)

@@ -100,7 +100,9 @@ def _wait_for_everyone(
             return
         missing = [r for r in range(world_size) if not store.check([f"rank{r}"])]
     except RuntimeError:  # rank 0 gave up first and took its store with it
-        raise RendezvousError(f"rank {rank}: lost the rendezvous at {where} while waiting for {world_size} ranks; see rank 0's message") from None
+        raise RendezvousError(
+            f"rank {rank}: lost the rendezvous at {where} while waiting for {world_size} ranks; see rank 0's message"
+        ) from None
     nodes = sorted({r // processes_per_node for r in missing})
     raise RendezvousError(
         f"waited {timeout_s:g} s for {world_size} ranks at {where}; {joined} joined, missing rank(s) "

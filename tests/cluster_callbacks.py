@@ -22,7 +22,9 @@ class StopRank(Callback):
         self.at_batch = at_batch
         self.signal = signal.Signals[signal_name]
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_rank == self.rank and batch_idx == self.at_batch:
             os.kill(os.getpid(), self.signal)
 

@@ -53,10 +53,11 @@ def test_binned_auc_stays_within_its_stated_error_of_the_exact_auc(num_threshold
     error = abs(float(binned["val/auc"]) - float(exact))
     assert error == pytest.approx(measured_error, abs=1e-7)  # measured here; the bound below is the promise
     assert float(binned["val/auc_max_error"]) == pytest.approx(max_error, rel=1e-3)
-    assert float(binned["val/auc_max_error"]) == pytest.approx(_max_error(probabilities.numpy(), labels.numpy(), num_thresholds), rel=1e-5)
+    recount = _max_error(probabilities.numpy(), labels.numpy(), num_thresholds)
+    assert float(binned["val/auc_max_error"]) == pytest.approx(recount, rel=1e-5)
     assert error <= float(binned["val/auc_max_error"]) <= 0.6 / num_thresholds  # "about 0.5 / thresholds"
     # The table is thresholds x 2 x 2 counts whatever the number of predictions.
-    assert binned["val/auc"].numel() == 1 and build_eval_metrics("val/", "binned", num_thresholds)["auc"].confmat.shape == (num_thresholds, 2, 2)
+    assert build_eval_metrics("val/", "binned", num_thresholds)["auc"].confmat.shape == (num_thresholds, 2, 2)
 
 
 def test_calibration_is_mean_prediction_over_click_rate():
