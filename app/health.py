@@ -43,8 +43,11 @@ class RankHealth(Callback):
         self._steps = 0
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._last_end_s = None  # the time across validation or an epoch boundary is no step's
+        self._last_end_s = None  # the time across an epoch boundary or a validation is no step's
         self._reset()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.on_train_epoch_start(trainer, pl_module)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         now = time.perf_counter()
