@@ -23,6 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from app.callbacks import PredictionWriter, SamplesPerSecond
 from app.data.datamodule import CriteoDataModule
+from app.health import RankHealth
 from app.module import DLRMModule
 from app.preemption import SaveOnSignal
 
@@ -43,6 +44,7 @@ class DLRMCLI(LightningCLI):
         parser.link_arguments("data.table_sizes", "model.num_embeddings_per_feature", apply_on="instantiate")
         parser.add_lightning_class_args(SamplesPerSecond, "throughput")
         parser.add_lightning_class_args(PredictionWriter, "prediction_writer")
+        parser.add_lightning_class_args(RankHealth, "rank_health")
         # Checkpointing on by default, as its own group; off with --trainer.enable_checkpointing false.
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True})

@@ -8,22 +8,12 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torchmetrics import MetricCollection
-from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 
 from app.data.batches import CriteoBatch
-from app.metrics import LogLoss, NormalizedEntropy
+from app.metrics import EvalMetrics, build_eval_metrics
 from app.model.dlrm import Interaction, build_dlrm
 from app.model.tables import expand_table_sizes
 from app.optimizers import DenseOptimizer, SparseOptimizer, build_optimizer, check_optimizer_names, fuse_sparse_optimizer
-
-
-def _eval_metrics(prefix: str) -> MetricCollection:
-    # BinaryAUROC without thresholds keeps every prediction and gathers them across ranks: exact AUC,
-    # sized for eval sets that fit in memory.
-    return MetricCollection(
-        {"auc": BinaryAUROC(), "logloss": LogLoss(), "ne": NormalizedEntropy(), "accuracy": BinaryAccuracy()},
-        prefix=prefix,
-    )
 
 
 class DLRMModule(LightningModule):
@@ -48,6 +38,13 @@ class DLRMModule(LightningModule):
         sparse_learning_rate: learning rate of the embedding tables.
         dense_optimizer: optimizer of the MLPs and interaction layers: adagrad, adam or sgd.
         dense_learning_rate: learning rate of the dense parameters.
+        eval_metrics: ``exact`` AUC keeps every validation/test prediction and gathers them on every
+            rank (eval sets that fit in memory); ``binned`` counts predictions against
+            ``auc_num_thresholds`` evenly spaced thresholds in constant memory (eval sets of billions)
+            and also logs ``auc_max_error``, the most it can differ from the exact AUC. Log loss,
+            NE, calibration and accuracy are exact running sums in both.
+        auc_num_thresholds: thresholds of the ``binned`` AUC; its error is at most about 0.5 /
+            auc_num_thresholds for predictions spread over [0, 1], more when they crowd into few bins.
     """
 
     def __init__(
@@ -65,6 +62,8 @@ class DLRMModule(LightningModule):
         sparse_learning_rate: float = 0.05,
         dense_optimizer: DenseOptimizer = "adagrad",
         dense_learning_rate: float = 0.05,
+        eval_metrics: EvalMetrics = "exact",
+        auc_num_thresholds: int = 10_000,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -83,8 +82,8 @@ class DLRMModule(LightningModule):
         )
         # Set before sharding: the sharder reads it to build the update into the embedding kernels.
         fuse_sparse_optimizer(self.model.sparse_arch.parameters(), sparse_optimizer, sparse_learning_rate)
-        self.val_metrics = _eval_metrics("val/")
-        self.test_metrics = _eval_metrics("test/")
+        self.val_metrics = build_eval_metrics("val/", eval_metrics, auc_num_thresholds)
+        self.test_metrics = build_eval_metrics("test/", eval_metrics, auc_num_thresholds)
 
     def forward(self, batch: CriteoBatch) -> torch.Tensor:
         """Click logits (B,) for a batch."""

@@ -17,13 +17,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
@@ -39,8 +38,10 @@ from torchrec.optim.keyed import KeyedOptimizer
 
 from app import checkpoint as checkpoint_format
 from app.checkpoint import CheckpointInfo
+from app.launch import check_launch, set_collective_error_defaults
 from app.plan_json import plan_to_json
 from app.optimizers import StepOnceCombinedOptimizer
+from app.rendezvous import join_process_group
 from app.sharding import (
     TableConstraint,
     build_constraints,
@@ -63,8 +64,12 @@ class TorchRecStrategy(ParallelStrategy):
         hbm_cap_bytes: GPU memory per device the planner may fill (default: the device's total memory).
         ddr_cap_bytes: host memory per device the planner may fill (default: TorchRec's 128 GiB).
         process_group_backend: ``gloo`` or ``nccl`` (default: ``nccl`` on GPUs, ``gloo`` on CPU).
-        timeout_s: seconds a collective may wait before the process group gives up, so that a dead
-            rank ends the job instead of hanging it.
+        timeout_s: seconds a collective may wait before the process group gives up, so that a dead or
+            stuck rank ends the job instead of hanging it. It must exceed the longest time one rank
+            works alone while the others wait (saving a checkpoint, planning, a slow first batch).
+        rendezvous_timeout_s: seconds every started rank waits for all ranks to join at start-up; a
+            node that never starts or a wrong ``MASTER_ADDR`` ends the job after this, with a message
+            naming the missing ranks.
     """
 
     strategy_name = "torchrec"
@@ -76,7 +81,8 @@ class TorchRecStrategy(ParallelStrategy):
         hbm_cap_bytes: int | None = None,
         ddr_cap_bytes: int | None = None,
         process_group_backend: str | None = None,
-        timeout_s: float = 1800.0,
+        timeout_s: float = 300.0,
+        rendezvous_timeout_s: float = 120.0,
     ) -> None:
         # Accelerator, devices and cluster environment are filled in by the Trainer.
         super().__init__()
@@ -85,7 +91,8 @@ class TorchRecStrategy(ParallelStrategy):
         self.hbm_cap_bytes = hbm_cap_bytes
         self.ddr_cap_bytes = ddr_cap_bytes
         self._process_group_backend = process_group_backend
-        self._timeout = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self.rendezvous_timeout_s = rendezvous_timeout_s
         self.num_nodes = 1
         self.sharding_plan: ShardingPlan | None = None
         # The ckpt_path the run was given ("last", "best" or a path), set by the CLI: Lightning names the
@@ -127,6 +134,7 @@ class TorchRecStrategy(ParallelStrategy):
         # Runs in the launching process, before workers exist: the cheapest place to fail.
         self._validate_settings()
         assert self.cluster_environment is not None
+        check_launch(self.cluster_environment, self.num_processes, self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -135,6 +143,9 @@ class TorchRecStrategy(ParallelStrategy):
             validate_sharding_request(self.sharding_types, self.table_constraints, self.parallel_devices[0].type)
         if self._process_group_backend not in (None, "gloo", "nccl"):
             raise ValueError(f"strategy.process_group_backend = {self._process_group_backend!r}: use gloo or nccl")
+        for name in ("timeout_s", "rendezvous_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"trainer.strategy.init_args.{name} = {getattr(self, name)}: must be > 0 seconds")
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -149,9 +160,18 @@ class TorchRecStrategy(ParallelStrategy):
         # TorchRec tells intra- from inter-node links by LOCAL_WORLD_SIZE (default 8); Lightning's
         # launcher and SLURM do not export it.
         os.environ["LOCAL_WORLD_SIZE"] = str(self.num_processes)
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self.process_group_backend, timeout=self._timeout, device_id=device_id
+        set_collective_error_defaults()
+        assert self.cluster_environment is not None
+        join_process_group(
+            self.process_group_backend,
+            address=self.cluster_environment.main_address,
+            port=self.cluster_environment.main_port,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            processes_per_node=self.num_processes,
+            rendezvous_timeout_s=self.rendezvous_timeout_s,
+            timeout_s=self.timeout_s,
+            device_id=self.root_device if self.root_device.type != "cpu" else None,
         )
 
     # ---- model and optimizers --------------------------------------------------------------

@@ -1,0 +1,46 @@
+"""Checks on how the processes were launched, and the NCCL/RCCL error-handling defaults.
+
+When torchrun, SLURM or MPI creates the processes, Lightning trusts ``trainer.devices`` x
+``trainer.num_nodes`` as the world size and never compares it with the number of processes actually
+started (its check runs only in its own launcher): a mismatch would wait at the rendezvous for ranks
+that do not exist. This module compares them before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+
+from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment, SLURMEnvironment
+
+# Error handling of NCCL (RCCL on ROCm), set only where the user has not chosen: a collective that
+# exceeds trainer.strategy.init_args.timeout_s aborts the communicator and ends the process (3 =
+# tear down without cleanup, the default of torch >= 2.2, stated for older builds), and a dump of
+# what each rank was doing is written for the post-mortem.
+NCCL_ERROR_DEFAULTS = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+}
+
+
+def set_collective_error_defaults() -> None:
+    """Exports NCCL_ERROR_DEFAULTS for the variables the environment does not already set."""
+    for name, value in NCCL_ERROR_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+
+
+def check_launch(environment: ClusterEnvironment, devices: int, num_nodes: int) -> None:
+    """Raises ValueError when an external launcher started another number of processes than
+    ``devices`` x ``num_nodes``."""
+    # Lightning's own launcher (and its children) start exactly devices x num_nodes by construction.
+    if not environment.creates_processes_externally or isinstance(environment, LightningEnvironment):
+        return
+    launcher = "SLURM (srun)" if isinstance(environment, SLURMEnvironment) else type(environment).__name__
+    expected = devices * num_nodes
+    launched = environment.world_size()
+    if launched != expected:
+        raise ValueError(
+            f"{launcher} started {launched} processes, but trainer.devices x trainer.num_nodes = {devices} x "
+            f"{num_nodes} = {expected}: launch {expected} processes ({devices} per node, e.g. srun "
+            f"--ntasks-per-node={devices} / torchrun --nproc_per_node {devices}) or change the config"
+        )
+    environment.validate_settings(num_devices=devices, num_nodes=num_nodes)

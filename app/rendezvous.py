@@ -1,0 +1,116 @@
+"""Joining the process group with a bounded wait and a message that says what is missing.
+
+``torch.distributed.init_process_group`` waits for the other ranks as long as the collective timeout
+and then fails with a store error that names neither the missing ranks nor the address. Here every
+rank first checks in at the rendezvous store (the same TCPStore ``init_process_group`` would use:
+hosted by rank 0, or by torchrun's agent) and waits at most ``rendezvous_timeout_s`` for the others,
+so that a node that never starts, a wrong ``MASTER_ADDR`` or a launch with fewer processes than
+``trainer.devices`` x ``trainer.num_nodes`` ends every rank that did start, with one line saying why.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_POLL_S = 0.2
+_FIX = "raise trainer.strategy.init_args.rendezvous_timeout_s if nodes start far apart"
+
+
+class RendezvousError(ValueError):
+    """Not every rank joined in time; the message names the address, the missing ranks and nodes."""
+
+
+def join_process_group(
+    backend: str,
+    *,
+    address: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    processes_per_node: int,
+    rendezvous_timeout_s: float,
+    timeout_s: float,
+    device_id: torch.device | None = None,
+) -> None:
+    """Waits up to ``rendezvous_timeout_s`` for all ``world_size`` ranks at ``address:port``, then
+    creates the default process group, whose collectives give up after ``timeout_s``."""
+    if dist.is_initialized():
+        return  # a second trainer.validate()/test() in the same processes
+    where = f"{address}:{port}"
+    store = _connect(address, port, rank, world_size, rendezvous_timeout_s)
+    _wait_for_everyone(store, where, rank, world_size, processes_per_node, rendezvous_timeout_s)
+    store.set_timeout(timedelta(seconds=timeout_s))
+    kwargs = {"device_id": device_id} if device_id is not None else {}
+    # The same prefix init_process_group gives a store it creates itself.
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("default_pg", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **kwargs,
+    )
+    if backend == "nccl":
+        atexit.register(dist.destroy_process_group)  # torch warns about NCCL groups left at exit
+
+
+def _connect(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.Store:
+    # Under torchrun the agent of node 0 already hosts the store on MASTER_PORT (as torch's own
+    # env:// rendezvous does, read from the variable torchrun sets); otherwise rank 0 hosts it.
+    hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    try:
+        return dist.TCPStore(
+            address,
+            port,
+            world_size,
+            is_master=rank == 0 and not hosted_by_agent,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
+    except RuntimeError as error:  # DistNetworkError / DistStoreError: unreachable, or the port is taken
+        if rank == 0 and not hosted_by_agent:
+            raise RendezvousError(f"rank 0 could not host the rendezvous at {address}:{port}: {error}") from None
+        raise RendezvousError(
+            f"rank {rank} of {world_size} waited {timeout_s:g} s to reach the rendezvous at {address}:{port} and "
+            "got no answer: is node 0 started? check MASTER_ADDR and MASTER_PORT (they must name node 0 on every "
+            f"node); {_FIX}"
+        ) from None
+
+
+def _wait_for_everyone(
+    store: dist.Store, where: str, rank: int, world_size: int, processes_per_node: int, timeout_s: float
+) -> None:
+    # A restarted torchrun job reuses the agent's store: count each attempt under its own prefix.
+    store = dist.PrefixStore(f"app_rendezvous/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    store.set(f"rank{rank}", "joined")
+    joined = store.add("joined", 1)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while joined < world_size and time.monotonic() < deadline:
+            time.sleep(_POLL_S)
+            joined = store.add("joined", 0)
+        if joined >= world_size:
+            return
+        missing = [r for r in range(world_size) if not store.check([f"rank{r}"])]
+    except RuntimeError:  # rank 0 gave up first and took its store with it
+        raise RendezvousError(
+            f"rank {rank}: lost the rendezvous at {where} while waiting for {world_size} ranks; see rank 0's message"
+        ) from None
+    nodes = sorted({r // processes_per_node for r in missing})
+    raise RendezvousError(
+        f"waited {timeout_s:g} s for {world_size} ranks at {where}; {joined} joined, missing rank(s) "
+        f"{_span(missing)} of node(s) {_span(nodes)}: is node {nodes[0]} started (NODE_RANK={nodes[0]}), and does "
+        f"it use this MASTER_ADDR/MASTER_PORT? devices x num_nodes must equal the processes launched; {_FIX}"
+    )
+
+
+def _span(numbers: list[int]) -> str:
+    shown = ", ".join(str(n) for n in numbers[:8])
+    return shown + (f" ... ({len(numbers)} in all)" if len(numbers) > 8 else "")

@@ -1,0 +1,133 @@
+"""Evaluation metrics: exact across ranks, and the constant-memory (binned) AUC within its stated error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torchmetrics.classification import BinaryAUROC
+
+from app.data.synthetic import rank_auc, write_synthetic_criteo
+from app.metrics import BinnedAUROC, Calibration, build_eval_metrics
+from multiprocess import run_on_ranks
+
+
+def _predictions(num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    labels = (torch.rand(num_rows, generator=g) < 0.25).long()
+    return torch.sigmoid(torch.randn(num_rows, generator=g) * 1.5 - 1.5 + labels * 1.2), labels
+
+
+def _max_error(probabilities: np.ndarray, labels: np.ndarray, num_thresholds: int) -> float:
+    """1/2 * sum over bins of positives x negatives / (P x N): pairs within a bin are the only ones
+    the binned AUC may order wrongly, and it counts each as half right."""
+    bins = np.searchsorted(torch.linspace(0, 1, num_thresholds).numpy(), probabilities, side="right")
+    positives = np.bincount(bins[labels == 1], minlength=num_thresholds + 1)
+    negatives = np.bincount(bins[labels == 0], minlength=num_thresholds + 1)
+    return 0.5 * float((positives * negatives).sum()) / (positives.sum() * negatives.sum())
+
+
+def test_binned_auc_counts_exactly_what_torchmetrics_counts():
+    probabilities, labels = _predictions(5_000)
+    probabilities[:4] = torch.tensor([0.0, 0.5, 1.0, 0.25])  # on thresholds and at both ends
+    ours, theirs = BinnedAUROC(thresholds=101), BinaryAUROC(thresholds=101)
+    for part in range(2):
+        ours.update(probabilities[part::2], labels[part::2])
+        theirs.update(probabilities[part::2], labels[part::2])
+    assert torch.equal(ours.confmat, theirs.confmat)
+    assert float(ours.compute()) == float(theirs.compute())
+
+
+@pytest.mark.parametrize(
+    ("num_thresholds", "measured_error", "max_error"),
+    [(100, 1.222e-05, 5.7344e-03), (1_000, 3.10e-06, 5.6790e-04), (10_000, 5.4e-07, 5.7085e-05)],
+)
+def test_binned_auc_stays_within_its_stated_error_of_the_exact_auc(num_thresholds, measured_error, max_error):
+    probabilities, labels = _predictions(20_000)
+    exact = BinaryAUROC()(probabilities, labels)
+    binned = build_eval_metrics("val/", "binned", num_thresholds)(probabilities, labels)
+
+    error = abs(float(binned["val/auc"]) - float(exact))
+    assert error == pytest.approx(measured_error, abs=1e-7)  # measured here; the bound below is the promise
+    assert float(binned["val/auc_max_error"]) == pytest.approx(max_error, rel=1e-3)
+    recount = _max_error(probabilities.numpy(), labels.numpy(), num_thresholds)
+    assert float(binned["val/auc_max_error"]) == pytest.approx(recount, rel=1e-5)
+    assert error <= float(binned["val/auc_max_error"]) <= 0.6 / num_thresholds  # "about 0.5 / thresholds"
+    # The table is thresholds x 2 x 2 counts whatever the number of predictions.
+    assert build_eval_metrics("val/", "binned", num_thresholds)["auc"].confmat.shape == (num_thresholds, 2, 2)
+
+
+def test_calibration_is_mean_prediction_over_click_rate():
+    metric = Calibration()
+    metric.update(torch.tensor([0.1, 0.2, 0.3]), torch.tensor([0, 1, 0]))
+    metric.update(torch.tensor([0.4]), torch.tensor([1]))
+    assert float(metric.compute()) == pytest.approx((0.1 + 0.2 + 0.3 + 0.4) / 4 / (2 / 4))
+
+
+def test_an_unknown_mode_names_the_setting():
+    with pytest.raises(ValueError, match="model.eval_metrics = 'approx': use exact or binned"):
+        build_eval_metrics("val/", "approx")
+
+
+def _evaluated_predictions(cli) -> dict:
+    """Every rank's validation predictions as the eval loop made them (same batches, same order),
+    gathered, then the same set evaluated again with the binned AUC through trainer.validate."""
+    module, trainer = cli.trainer.lightning_module, cli.trainer
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    module.eval()
+    mine = []
+    with torch.no_grad():
+        for batch in cli.datamodule.val_dataloader():
+            valid = batch.valid_rows
+            mine.append((batch.row_ids[valid], torch.sigmoid(module(batch))[valid], batch.labels[valid]))
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, [tuple(t.numpy() for t in part) for part in mine])
+    row_ids, probabilities, labels = (np.concatenate([p[i] for rank in gathered for p in rank]) for i in range(3))
+    module.val_metrics = build_eval_metrics("val/", "binned", 100)
+    trainer.validate(module, datamodule=cli.datamodule, verbose=False)
+    binned = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return {"logged": logged, "binned": binned, "row_ids": row_ids, "probabilities": probabilities, "labels": labels}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_distributed_metrics_equal_one_process_metrics_of_the_same_predictions(world_size, tmp_path):
+    val = tmp_path / "val.tsv"
+    write_synthetic_criteo(val, num_rows=301, seed=12)  # 301 rows: uneven over 2 and 3 ranks and batches of 64
+    args = [
+        "validate", "--config", "configs/demo.yaml", "--data.train", "null", "--data.val", str(val),
+        "--data.test", "null", "--data.predict", "null", "--data.batch_size", "64",
+        "--data.num_embeddings_per_feature", "500", "--model.embedding_dim", "8",
+        "--model.dense_arch_layer_sizes", "[16, 8]", "--model.over_arch_layer_sizes", "[16, 1]",
+        "--trainer.logger", "false", "--trainer.callbacks", "[]", "--trainer.enable_progress_bar", "false",
+        "--trainer.default_root_dir", str(tmp_path),
+    ]  # fmt: skip
+    result = run_on_ranks(world_size, args, tmp_path, _evaluated_predictions)[0]
+
+    assert sorted(result["row_ids"].tolist()) == list(range(301))  # every row once, padding left out
+    p, y = result["probabilities"].astype(np.float64), result["labels"]
+    logged = result["logged"]
+    assert logged["val/auc"] == pytest.approx(rank_auc(p, y), abs=1e-7)
+    assert logged["val/auc"] != pytest.approx(0.5, abs=1e-3)  # predictions that order the rows
+    clipped = p.clip(1e-7, 1 - 1e-7)
+    assert logged["val/logloss"] == pytest.approx(-np.mean(y * np.log(clipped) + (1 - y) * np.log(1 - clipped)), rel=1e-6)
+    assert logged["val/calibration"] == pytest.approx(p.mean() / y.mean(), rel=1e-6)
+    # The binned AUC of the same predictions: its stated error, summed over ranks exactly.
+    binned = result["binned"]
+    assert binned["val/auc_max_error"] == pytest.approx(_max_error(result["probabilities"], y, 100), rel=1e-5)
+    assert abs(binned["val/auc"] - logged["val/auc"]) <= binned["val/auc_max_error"]
+    assert binned["val/logloss"] == logged["val/logloss"]
+
+
+def test_the_mode_is_a_yaml_setting(capsys):
+    from app.cli import cli_main
+
+    try:
+        cli_main(["fit", "--config", "configs/demo.yaml", "--model.eval_metrics", "binned",
+                  "--model.auc_num_thresholds", "1000", "--print_config"])  # fmt: skip
+    except SystemExit as exit_info:
+        assert exit_info.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "eval_metrics: binned" in printed and "auc_num_thresholds: 1000" in printed

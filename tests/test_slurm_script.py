@@ -1,0 +1,49 @@
+"""scripts/slurm_fit.sbatch: valid bash, and its resources and srun line agree with the config it trains."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from app.cli import cli_main
+
+SCRIPT = Path("scripts/slurm_fit.sbatch")
+
+
+def _sbatch_options(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, flags=re.M))
+
+
+def _srun_command(text: str, variables: dict[str, str]) -> list[str]:
+    """The srun line with its continuations joined and the shell variables it uses filled in."""
+    (line,) = re.findall(r"^srun .*?(?<!\\)$", text.replace("\\\n", " "), flags=re.M)
+    for name, value in variables.items():
+        line = line.replace(f'"${{{name}}}"', value)
+    return shlex.split(line.replace('"$@"', ""))
+
+
+def test_the_script_is_valid_bash():
+    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
+
+
+def test_srun_launches_one_task_per_device_of_the_config(capsys):
+    text = SCRIPT.read_text()
+    options = _sbatch_options(text)
+    assert options["signal"] == "SIGUSR1@90" and "#SBATCH --requeue" in text
+    (config,) = re.findall(r"^CONFIG=\$\{CONFIG:-(\S+)\}$", text, flags=re.M)
+    command = _srun_command(text, {"CONFIG": config, "SLURM_JOB_NUM_NODES": options["nodes"]})
+    assert command[:2] == ["srun", "--kill-on-bad-exit=1"]
+    app_args = command[command.index("app") + 1 :]
+    assert app_args[-2:] == ["--ckpt_path", "last"]  # a requeued job resumes
+
+    try:
+        cli_main([*app_args[:-2], "--print_config"])
+    except SystemExit as exit_info:
+        assert exit_info.code in (0, None)
+    trainer = yaml.safe_load(capsys.readouterr().out)["trainer"]
+    assert trainer["devices"] == int(options["ntasks-per-node"]) == int(options["gpus-per-node"])
+    assert trainer["devices"] * trainer["num_nodes"] == int(options["nodes"]) * int(options["ntasks-per-node"])
