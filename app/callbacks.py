@@ -37,7 +37,13 @@ class SamplesPerSecond(Callback):
         self._batches += 1
         elapsed_s = time.perf_counter() - self._start_time_s
         if elapsed_s > 0:
-            pl_module.log("train/samples_per_sec", self._samples / elapsed_s, prog_bar=True, on_step=True)
+            pl_module.log(
+                "train/samples_per_sec",
+                self._samples / elapsed_s,
+                prog_bar=True,
+                on_step=True,
+                batch_size=batch.labels.numel(),  # required when training_step takes dataloader_iter
+            )
         if self._batches >= self.window_batches:
             self._restart()
 

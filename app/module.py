@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torchmetrics import MetricCollection
 
@@ -14,6 +13,7 @@ from app.metrics import EvalMetrics, build_eval_metrics
 from app.model.dlrm import Interaction, build_dlrm
 from app.model.tables import expand_table_sizes
 from app.optimizers import DenseOptimizer, SparseOptimizer, build_optimizer, check_optimizer_names, fuse_sparse_optimizer
+from app.pipeline import Pipeline, PipelinedTraining, check_pipeline, click_loss, resolve_pipeline, step_lr_schedulers
 
 
 class DLRMModule(LightningModule):
@@ -45,6 +45,15 @@ class DLRMModule(LightningModule):
             NE, calibration and accuracy are exact running sums in both.
         auc_num_thresholds: thresholds of the ``binned`` AUC; its error is at most about 0.5 /
             auc_num_thresholds for predictions spread over [0, 1], more when they crowd into few bins.
+        pipeline: how a training step runs. ``none``: Lightning's plain loop, one batch after the
+            other. ``sparse_dist``: TorchRec's TrainPipelineSparseDist, which starts the input
+            all-to-all of the next batch while this one computes; the same results as ``none``,
+            bit for bit. ``semi_sync``: TorchRec's TrainPipelineSemiSync, which also looks up the
+            next batch's embeddings before this batch updates them (one update of lag, from
+            ``semi_sync_start_step`` on). ``auto``: ``sparse_dist`` on GPUs and on CPU (measured
+            faster there, see app/pipeline.py).
+        semi_sync_start_step: batches trained synchronously (counted from the start of this
+            process) before ``semi_sync`` lets lookups lag; TorchRec's default is 900.
     """
 
     def __init__(
@@ -64,10 +73,14 @@ class DLRMModule(LightningModule):
         dense_learning_rate: float = 0.05,
         eval_metrics: EvalMetrics = "exact",
         auc_num_thresholds: int = 10_000,
+        pipeline: Pipeline = "auto",
+        semi_sync_start_step: int = 900,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         check_optimizer_names(sparse_optimizer, dense_optimizer)
+        check_pipeline(pipeline)
+        self._pipelined: PipelinedTraining | None = None
         self.model = build_dlrm(
             interaction=interaction,
             embedding_dim=embedding_dim,
@@ -89,13 +102,41 @@ class DLRMModule(LightningModule):
         """Click logits (B,) for a batch."""
         return self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
 
+    def setup(self, stage: str) -> None:
+        # Known only once the trainer exists: the device decides what "auto" means. A pipelined step
+        # receives Lightning's dataloader_iter (Lightning reads the signature of training_step).
+        if stage == "fit" and resolve_pipeline(self.hparams.pipeline, self.trainer.strategy.root_device) != "none":
+            self.automatic_optimization = False
+            self.training_step = self.pipelined_training_step  # type: ignore[method-assign]
+            self.training_step_calls_model = True  # read by the strategy: no DMP forward around the step
+
     def training_step(self, batch: CriteoBatch, batch_idx: int) -> torch.Tensor:
-        logits = self(batch)
-        loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+        loss = click_loss(self(batch), batch)
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.numel())
         return loss
 
+    def pipelined_training_step(self, dataloader_iter: Any) -> torch.Tensor:
+        """One batch through TorchRec's training pipeline (``model.pipeline``), which also steps the optimizers."""
+        if self._pipelined is None:
+            name = resolve_pipeline(self.hparams.pipeline, self.trainer.strategy.root_device)
+            self._pipelined = PipelinedTraining(name, self, click_loss, self.hparams.semi_sync_start_step)
+        loss, batch = self._pipelined.step(dataloader_iter)
+        step_lr_schedulers(self, "step")
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.numel())
+        return loss
+
+    def on_validation_start(self) -> None:
+        if self._pipelined is not None:
+            self._pipelined.pause()  # evaluation must see its own batches through the model's own forward
+
+    def on_train_end(self) -> None:
+        if self._pipelined is not None:
+            self._pipelined.stop()
+            self._pipelined = None
+
     def on_train_epoch_end(self) -> None:
+        if not self.automatic_optimization:
+            step_lr_schedulers(self, "epoch")
         # Rows the data module dropped under data.on_bad_rows = skip: visible next to the loss.
         skipped = getattr(self.trainer.datamodule, "num_bad_rows_skipped", 0)
         if skipped:

@@ -265,6 +265,14 @@ class TorchRecStrategy(ParallelStrategy):
         assert self._dmp is not None
         self.optimizers = [StepOnceCombinedOptimizer([("sparse", self._dmp.fused_optimizer), ("dense", self.optimizers[0])])]
 
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self.lightning_module, "training_step_calls_model", False):
+            # A pipelined step (app.pipeline) calls the DMP once per batch itself; routing the step
+            # through the DMP as well would nest two forwards of the DDP around the dense part.
+            with self.precision_plugin.train_step_context():
+                return self.lightning_module.training_step(*args, **kwargs)
+        return super().training_step(*args, **kwargs)
+
     def model_to_device(self) -> None:
         pass  # DMP places every shard and the dense part itself; a .to() would undo the sharding
 

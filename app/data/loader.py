@@ -34,11 +34,15 @@ class ResumableBatchLoader(DataLoader):
             pin_memory=torch.cuda.is_available(),
         )
         self._next_batch = 0
+        # Batches handed out but not trained on yet (a training pipeline's queue, kept up to date by
+        # app.pipeline): a checkpoint resumes at the first of them.
+        self.batches_in_flight = 0
 
     def __iter__(self) -> Iterator[Any]:
         sampler = self.sampler
         assert isinstance(sampler, EpochBatchSampler)
         self._next_batch = sampler.first_batch
+        self.batches_in_flight = 0
         for batch in super().__iter__():
             # Counted before the batch is handed out: a checkpoint written while it is being trained
             # on must resume at the one after it.
@@ -46,7 +50,7 @@ class ResumableBatchLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.sampler.epoch, "next_batch": self._next_batch}
+        return {"epoch": self.sampler.epoch, "next_batch": self._next_batch - self.batches_in_flight}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.sampler.set_epoch(state["epoch"])

@@ -1,0 +1,231 @@
+"""TorchRec's overlapped training pipelines, driven from inside Lightning's training loop.
+
+``TrainPipelineSparseDist`` starts the input all-to-all of batch i+1 while batch i computes (and,
+on GPUs, copies batch i+2 to the device meanwhile); ``TrainPipelineSemiSync`` also looks up the
+embeddings of batch i+1 before batch i's embedding update, so each batch's lookup sees tables one
+update old. Both call forward, backward, ``optimizer.zero_grad()`` and ``optimizer.step()``
+themselves, which is why a pipelined module uses Lightning's manual optimization and receives
+``dataloader_iter`` instead of a batch. What this module adds around them, and why:
+
+- The pipeline pulls up to two (semi-sync: three) batches ahead. Lightning's ``dataloader_iter``
+  fetcher would count those as consumed, end the epoch two batches early and hand the callbacks a
+  batch that has not been trained yet; ``_LightningFeed`` keeps its count at the batches *trained*,
+  so epochs, ``val_check_interval``, ``max_steps`` and ``on_train_batch_end`` see one batch per step.
+- A checkpoint written mid-epoch must resume at the first batch not yet trained: the resumable
+  loader is told how many batches the pipeline holds (``ResumableBatchLoader.batches_in_flight``).
+- The pipeline replaces the sharded modules' forward with one that reads its prefetched inputs, so
+  evaluation through it would see training batches (facebookresearch/dlrm#271): the model is
+  detached before every evaluation and at the end of fit, and re-attached for the next step.
+- The optimizer it steps is Lightning's ``LightningOptimizer``: each step advances ``global_step``
+  exactly once, and the fused embedding update stays inside backward, once per batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+import torchrec
+from lightning.pytorch import LightningModule
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+from app.data.batches import CriteoBatch
+from app.data.loader import ResumableBatchLoader
+
+Pipeline = Literal["auto", "none", "sparse_dist", "semi_sync"]
+PIPELINES = ("auto", "none", "sparse_dist", "semi_sync")
+
+# Measured with `python -m app.pipeline_bench` (2 CPU processes, gloo, 26 tables x 100,000 rows x 64,
+# batch 512 per process, side by side in one run): see resolve_pipeline for the figure.
+CPU_DEFAULT_PIPELINE = "sparse_dist"
+
+
+def check_pipeline(name: str) -> None:
+    """Raises a ValueError naming ``model.pipeline`` for an unknown value."""
+    if name not in PIPELINES:
+        raise ValueError(f"model.pipeline = {name!r} is not one of {', '.join(PIPELINES)}")
+
+
+def resolve_pipeline(name: str, device: torch.device) -> str:
+    """The pipeline ``auto`` stands for on ``device``: sparse_dist wherever it is the faster one."""
+    if name != "auto":
+        return name
+    # GPUs: the input all-to-all and host-to-device copies run on their own streams, hidden behind
+    # compute. CPU: see CPU_DEFAULT_PIPELINE for the measured choice.
+    return "sparse_dist" if device.type in ("cuda", "mtia") else CPU_DEFAULT_PIPELINE
+
+
+def _semi_sync_class() -> type[TrainPipelineSparseDist]:
+    try:
+        from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSemiSync
+    except ImportError as error:
+        raise ValueError(
+            f"model.pipeline = semi_sync: torchrec {torchrec.__version__} has no TrainPipelineSemiSync; "
+            "use sparse_dist or none"
+        ) from error
+    return TrainPipelineSemiSync
+
+
+def _check_custom_forward(pipeline_class: type, name: str) -> None:
+    # custom_model_fwd lets the loss stay in the LightningModule; older TorchRec lacks it.
+    if "custom_model_fwd" not in inspect.signature(pipeline_class.__init__).parameters:
+        raise ValueError(
+            f"model.pipeline = {name}: {pipeline_class.__name__} of torchrec {torchrec.__version__} takes no "
+            "custom_model_fwd; use model.pipeline = none"
+        )
+
+
+class _LightningFeed(Iterator[CriteoBatch]):
+    """The iterator the TorchRec pipeline pulls from: Lightning's ``dataloader_iter``, unwrapped.
+
+    Lightning yields ``(batch, batch_idx, dataloader_idx)``; the pipeline wants batches. The indices
+    of the batches pulled but not yet trained wait here, so that the step that trains a batch can
+    report that batch's index to Lightning.
+    """
+
+    def __init__(self, dataloader_iter: Any) -> None:
+        self.dataloader_iter = dataloader_iter
+        self.pending_batch_idx: deque[int] = deque()
+        self.exhausted = False
+
+    def __next__(self) -> CriteoBatch:
+        try:
+            batch, batch_idx, _ = next(self.dataloader_iter)
+        except StopIteration:
+            self.exhausted = True
+            raise
+        self.pending_batch_idx.append(batch_idx)
+        return batch
+
+
+class _LightningOptimizerOf:
+    """The module's current LightningOptimizer, looked up on every call: Lightning re-creates that
+    wrapper (e.g. around evaluation), and only the current one's ``step`` advances ``global_step``."""
+
+    def __init__(self, module: LightningModule) -> None:
+        self.module = module
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.module.optimizers().param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.module.optimizers().zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        self.module.optimizers().step()
+
+
+class PipelinedTraining:
+    """Trains one batch per call with a TorchRec training pipeline, keeping Lightning's books right.
+
+    Args:
+        name: ``sparse_dist`` or ``semi_sync``.
+        module: the LightningModule; its strategy's model must be TorchRec's DistributedModelParallel.
+        loss_fn: click loss of (logits, batch), the same function the plain loop uses.
+        semi_sync_start_step: pipeline batches trained synchronously before semi-sync starts.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        module: LightningModule,
+        loss_fn: Callable[[torch.Tensor, CriteoBatch], torch.Tensor],
+        semi_sync_start_step: int,
+    ) -> None:
+        self.module = module
+        self.loss_fn = loss_fn
+        self._feed: _LightningFeed | None = None
+        self._trained_batch: CriteoBatch | None = None
+        self._paused = False
+        model = module.trainer.strategy.model  # DistributedModelParallel around the LightningModule
+        device = module.trainer.strategy.root_device
+        kwargs: dict[str, Any] = dict(
+            model=model, optimizer=_LightningOptimizerOf(module), device=device, execute_all_batches=True, custom_model_fwd=self._forward
+        )
+        if name == "semi_sync":
+            pipeline_class = _semi_sync_class()
+            kwargs["start_batch"] = semi_sync_start_step
+        else:
+            pipeline_class = TrainPipelineSparseDist
+        _check_custom_forward(pipeline_class, name)
+        self.pipeline = pipeline_class(**kwargs)
+        self._model = model
+
+    def _forward(self, batch: CriteoBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        # Called by the pipeline through DMP (and the DDP around the dense part), so the dense
+        # gradients are all-reduced in the backward the pipeline runs.
+        self._trained_batch = batch
+        logits = self._model(batch)
+        loss = self.loss_fn(logits, batch)
+        return loss, loss.detach()
+
+    def step(self, dataloader_iter: Any) -> tuple[torch.Tensor, CriteoBatch]:
+        """Trains the next batch in line; returns its loss and the batch itself."""
+        self.resume()
+        if not self._model.training:
+            # Lightning restores the training mode of the LightningModule after evaluation, not of
+            # the DMP around it, and the pipeline runs backward and step only when that is training.
+            self._model.train()
+        if self._feed is None or self._feed.dataloader_iter is not dataloader_iter:
+            self._feed = _LightningFeed(dataloader_iter)  # a new epoch
+        fetcher = dataloader_iter.data_fetcher
+        queued_before = len(self.pipeline.batches)
+        loss = self.pipeline.progress(self._feed)
+        queued_after = len(self.pipeline.batches)
+        # Lightning counted every pull as a batch trained; the ones still queued are not (yet).
+        # (Private fields of Lightning's _DataLoaderIterDataFetcher: no public way to say this.)
+        fetcher.fetched -= queued_after - queued_before
+        fetcher.done = self._feed.exhausted and queued_after == 0
+        fetcher._batch = self._trained_batch
+        fetcher._batch_idx = self._feed.pending_batch_idx.popleft()
+        self._tell_loader(queued_after)
+        assert self._trained_batch is not None
+        return loss, self._trained_batch
+
+    def _tell_loader(self, batches_in_flight: int) -> None:
+        loader = self.module.trainer.train_dataloader
+        if isinstance(loader, ResumableBatchLoader):
+            loader.batches_in_flight = batches_in_flight
+
+    def pause(self) -> None:
+        """Gives the model its own forward back (for evaluation); the queued batches stay queued."""
+        if not self._paused:
+            self.pipeline.detach()
+            self._paused = True
+
+    def resume(self) -> None:
+        """Routes the sharded modules through the pipeline again after ``pause``."""
+        if self._paused:
+            # The queued batches' input all-to-all has already run: do not start it again.
+            self.pipeline.attach(self._model, sparse_dist=False)
+            self._paused = False
+
+    def stop(self) -> None:
+        """At the end of fit: the model's own forward back, batches beyond the last step dropped."""
+        self.pause()
+        self.pipeline.reset()
+        self._feed = None
+
+
+def click_loss(logits: torch.Tensor, batch: CriteoBatch) -> torch.Tensor:
+    """Binary cross-entropy of the click logits, in float32 whatever the compute precision."""
+    return F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
+
+
+def step_lr_schedulers(module: LightningModule, interval: str) -> None:
+    """Steps the module's LR schedulers of ``interval`` (``step`` or ``epoch``).
+
+    Under manual optimization Lightning leaves this to the module; the plain loop's automatic
+    optimization does it after every optimizer step. Plateau schedulers need a metric and are left out.
+    """
+    trainer = module.trainer
+    count = trainer.global_step if interval == "step" else trainer.current_epoch + 1
+    for config in trainer.lr_scheduler_configs:
+        if config.interval == interval and not config.reduce_on_plateau and count % config.frequency == 0:
+            config.scheduler.step()
+
