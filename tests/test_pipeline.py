@@ -1,9 +1,11 @@
 """TorchRec's training pipelines inside Lightning, on 2 CPU processes (gloo), against the plain loop.
 
-One plain run and one ``sparse_dist`` run of 2 epochs with a validation in the middle of each epoch
-and a checkpoint every 5 steps; the pipelined run must train the very same batches in the same order
-to the same losses, bit for bit, evaluate exactly what the plain run evaluates, stop on ``max_steps``
-and resume mid-epoch to the uninterrupted end.
+A plain run and a ``sparse_dist`` run of 17 steps (12 per epoch, so the run stops in the middle of
+the second epoch), each validating twice per epoch: the pipelined run must train the very same
+batches in the same order to the same losses, bit for bit, evaluate to the same metrics (no
+prefetched training batch leaks into evaluation), stop on ``max_steps``, and a checkpoint it wrote
+mid-epoch must resume to exactly where it ended. ``semi_sync`` follows the plain run until its
+start step and lags by one embedding update after it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from multiprocess import run_on_ranks
 from test_sharding import fit_args, shards_and_predictions
 
 STEPS_PER_EPOCH = 12  # 1,536 rows / (2 ranks x 64)
+MAX_STEPS = 17
+TRAIN_ROWS, VAL_ROWS = 1_536, 300
 
 
 def probed(cli) -> dict:
@@ -25,11 +29,13 @@ def probed(cli) -> dict:
     return result
 
 
-def pipeline_args(sample, root, pipeline: str) -> list[str]:
+def pipeline_args(sample, root, pipeline: str, *extra: str) -> list[str]:
     return fit_args(sample, root, "table_wise", 64) + [
         "--model.pipeline", pipeline,
+        "--trainer.max_steps", str(MAX_STEPS),
         "--trainer.val_check_interval", "0.5",
         "--trainer.callbacks+=training_probe.TrainingProbe",
+        *extra,
     ]  # fmt: skip
 
 
@@ -39,13 +45,74 @@ def plain(sample, tmp_path_factory) -> list[dict]:
     return run_on_ranks(2, pipeline_args(sample, root, "none"), root, probed)
 
 
-def test_sparse_dist_trains_the_plain_loops_batches_to_the_same_losses(sample, plain, tmp_path):
-    pipelined = run_on_ranks(2, pipeline_args(sample, tmp_path, "sparse_dist"), tmp_path, probed)
+@pytest.fixture(scope="module")
+def sparse_dist(sample, tmp_path_factory) -> dict:
+    """The sparse_dist run, checkpointing every 9 steps: step 9 is between epoch 0's two validations."""
+    root = tmp_path_factory.mktemp("sparse_dist")
+    every_9_steps = [
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        "--trainer.callbacks.dirpath", str(root / "checkpoints"),
+        "--trainer.callbacks.filename", "{step}",
+        "--trainer.callbacks.every_n_train_steps", "9",
+        "--trainer.callbacks.save_top_k", "-1",
+    ]  # fmt: skip
+    args = pipeline_args(sample, root, "sparse_dist")
+    args[args.index("--trainer.enable_checkpointing") + 1] = "true"
+    ranks = run_on_ranks(2, args + every_9_steps, root, probed)
+    return {"ranks": ranks, "args": args, "checkpoints": root / "checkpoints"}
+
+
+def test_sparse_dist_trains_the_same_batches_to_the_same_losses_bit_for_bit(plain, sparse_dist):
     for rank in range(2):
-        print(rank, [s[2] for s in plain[rank]["steps"]][:5], [s[2] for s in pipelined[rank]["steps"]][:5])
-        print([(s[0], s[1]) for s in pipelined[rank]["steps"]])
-        print([(g, len(r)) for g, r in pipelined[rank]["validations"]], [(g, len(r)) for g, r in plain[rank]["validations"]])
-        for x, y in zip(plain[rank]["steps"], pipelined[rank]["steps"]):
-            print(x[:3], y[:3], x[3] == y[3])
-        assert pipelined[rank]["steps"] == plain[rank]["steps"]
-    np.testing.assert_array_equal(pipelined[0]["probabilities"], plain[0]["probabilities"])
+        pipelined = sparse_dist["ranks"][rank]
+        # (epoch, global_step, loss, row ids) of every step: global_step advances once per batch.
+        assert [s[:2] for s in pipelined["steps"]] == [(i // STEPS_PER_EPOCH, i + 1) for i in range(MAX_STEPS)]
+        assert pipelined["steps"] == plain[rank]["steps"]
+        assert pipelined["global_step"] == MAX_STEPS
+    np.testing.assert_array_equal(sparse_dist["ranks"][0]["probabilities"], plain[0]["probabilities"])
+
+
+def test_validation_mid_epoch_neither_loses_nor_repeats_a_training_batch(plain, sparse_dist):
+    ranks = sparse_dist["ranks"]
+    first_epoch = [row for rank in ranks for s in rank["steps"] if s[0] == 0 for row in s[3]]
+    assert sorted(first_epoch) == list(range(TRAIN_ROWS))  # every row once, across both ranks
+    second_epoch = [row for rank in ranks for s in rank["steps"] if s[0] == 1 for row in s[3]]
+    assert len(second_epoch) == len(set(second_epoch)) == 2 * 64 * (MAX_STEPS - STEPS_PER_EPOCH)
+    for rank in range(2):
+        # Validations after steps 6 and 12 (mid-epoch and epoch end), none at the max_steps stop.
+        assert [v[0] for v in ranks[rank]["validations"]] == [6, 12]
+        assert [v[0] for v in plain[rank]["validations"]] == [6, 12]
+        for (_, rows, logloss), (_, plain_rows, plain_logloss) in zip(ranks[rank]["validations"], plain[rank]["validations"]):
+            assert rows == plain_rows
+            assert logloss == plain_logloss  # a training batch leaking into evaluation would change this
+    val_rows = sorted(r for rank in ranks for r in rank["validations"][0][1] if r >= 0)
+    assert val_rows == list(range(VAL_ROWS))
+
+
+def test_a_mid_epoch_checkpoint_resumes_to_where_the_uninterrupted_run_ended(sparse_dist, tmp_path):
+    checkpoints = sparse_dist["checkpoints"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step=9.ckpt"]
+    resumed = run_on_ranks(2, sparse_dist["args"] + ["--ckpt_path", str(checkpoints / "step=9.ckpt")], tmp_path, probed)
+    for rank in range(2):
+        uninterrupted = sparse_dist["ranks"][rank]
+        # The resumed run trains steps 10..17 on the batches the uninterrupted run trained there.
+        assert resumed[rank]["steps"] == uninterrupted["steps"][9:]
+        assert resumed[rank]["global_step"] == MAX_STEPS
+    np.testing.assert_array_equal(resumed[0]["probabilities"], sparse_dist["ranks"][0]["probabilities"])
+
+
+def test_semi_sync_follows_the_plain_loop_until_its_start_then_lags_one_update(plain, sample, tmp_path):
+    start_step = 4
+    ranks = run_on_ranks(
+        2, pipeline_args(sample, tmp_path, "semi_sync", "--model.semi_sync_start_step", str(start_step)), tmp_path, probed
+    )
+    for rank in range(2):
+        steps, plain_steps = ranks[rank]["steps"], plain[rank]["steps"]
+        assert [s[:2] for s in steps] == [s[:2] for s in plain_steps]
+        assert [s[3] for s in steps] == [s[3] for s in plain_steps]  # the same batches, in order
+        # Batch i's lookup is issued before batch i-1's update from batch start_step + 1 on (step
+        # start_step + 2, 1-based): until then the losses are the plain loop's, bit for bit.
+        losses, plain_losses = np.array([s[2] for s in steps]), np.array([s[2] for s in plain_steps])
+        np.testing.assert_array_equal(losses[: start_step + 1], plain_losses[: start_step + 1])
+        assert (losses[start_step + 1 :] != plain_losses[start_step + 1 :]).all()
+        np.testing.assert_allclose(losses, plain_losses, atol=0.05)  # one update behind, not a different model

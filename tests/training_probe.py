@@ -14,11 +14,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 class TrainingProbe(Callback):
     """Keeps ``steps``: (epoch, global_step, loss, row ids) per training step, and ``validations``:
-    (global_step, row ids) per validation pass."""
+    (global_step, row ids, val/logloss) per validation pass during fit."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[int, int, float, list[int]]] = []
-        self.validations: list[tuple[int, list[int]]] = []
+        self.validations: list[list] = []
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
@@ -26,8 +26,12 @@ class TrainingProbe(Callback):
 
     def on_validation_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.state.fn == "fit":
-            self.validations.append((trainer.global_step, []))
+            self.validations.append([trainer.global_step, [], None])
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         if self.validations and trainer.state.fn == "fit":
             self.validations[-1][1].extend(batch.row_ids.tolist())
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.validations and trainer.state.fn == "fit":
+            self.validations[-1][2] = float(trainer.callback_metrics["val/logloss"])
