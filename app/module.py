@@ -48,9 +48,9 @@ class DLRMModule(LightningModule):
         pipeline: how a training step runs. ``none``: Lightning's plain loop, one batch after the
             other. ``sparse_dist``: TorchRec's TrainPipelineSparseDist, which starts the input
             all-to-all of the next batch while this one computes; the same results as ``none``,
-            bit for bit. ``semi_sync``: TorchRec's TrainPipelineSemiSync, which also looks up the
-            next batch's embeddings before this batch updates them (one update of lag, from
-            ``semi_sync_start_step`` on). ``auto``: ``sparse_dist`` on GPUs and on CPU (measured
+            bit for bit. ``semi_sync`` (GPUs only): TorchRec's TrainPipelineSemiSync, which also
+            looks up the next batch's embeddings before this batch updates them (one update of
+            lag, from ``semi_sync_start_step`` on). ``auto``: ``sparse_dist`` on GPUs and on CPU (measured
             faster there, see app/pipeline.py).
         semi_sync_start_step: batches trained synchronously (counted from the start of this
             process) before ``semi_sync`` lets lookups lag; TorchRec's default is 900.

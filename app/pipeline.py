@@ -52,6 +52,12 @@ def check_pipeline(name: str) -> None:
 
 def resolve_pipeline(name: str, device: torch.device) -> str:
     """The pipeline ``auto`` stands for on ``device``: sparse_dist wherever it is the faster one."""
+    if name == "semi_sync" and device.type == "cpu":
+        # TorchRec records CUDA streams on the batch and on its own embedding contexts there.
+        raise ValueError(
+            "model.pipeline = semi_sync needs GPUs: TorchRec's TrainPipelineSemiSync does not run on CPU; "
+            "use sparse_dist"
+        )
     if name != "auto":
         return name
     # GPUs: the input all-to-all and host-to-device copies run on their own streams, hidden behind
