@@ -58,6 +58,8 @@ def resolve_pipeline(name: str, device: torch.device) -> str:
             "model.pipeline = semi_sync needs GPUs: TorchRec's TrainPipelineSemiSync does not run on CPU; "
             "use sparse_dist"
         )
+    if name == "semi_sync":
+        _semi_sync_class()  # at set-up, not at the first step: older TorchRec may lack it
     if name != "auto":
         return name
     # GPUs: the input all-to-all and host-to-device copies run on their own streams, hidden behind
