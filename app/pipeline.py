@@ -39,8 +39,12 @@ from app.data.loader import ResumableBatchLoader
 Pipeline = Literal["auto", "none", "sparse_dist", "semi_sync"]
 PIPELINES = ("auto", "none", "sparse_dist", "semi_sync")
 
-# Measured with `python -m app.pipeline_bench` (2 CPU processes, gloo, 26 tables x 100,000 rows x 64,
-# batch 512 per process, side by side in one run): see resolve_pipeline for the figure.
+# CPU choice, measured 2026-11-23 on the shared 2-core machine (load average 14-16 from other jobs):
+# `python -m app fit` on 2 processes (gloo, OMP_NUM_THREADS=1), 26 tables x 100,000 rows x 64,
+# bottom 512-256-64, top 512-512-256-1, Adagrad, batch 512 per process, samples/s over steps 21-40,
+# five runs of each alternated: none 1,044-2,895 (median 1,820, mean 2,001), sparse_dist 1,073-2,751
+# (median 2,448, mean 2,150); sparse_dist / none 1.35 by medians, 1.07 by means, pairs 0.68-1.63.
+# Not slower within that noise and bit-identical in results, so CPU pipelines too.
 CPU_DEFAULT_PIPELINE = "sparse_dist"
 
 
