@@ -13,7 +13,14 @@ from app.metrics import EvalMetrics, build_eval_metrics
 from app.model.dlrm import Interaction, build_dlrm
 from app.model.tables import expand_table_sizes
 from app.optimizers import DenseOptimizer, SparseOptimizer, build_optimizer, check_optimizer_names, fuse_sparse_optimizer
-from app.pipeline import Pipeline, PipelinedTraining, check_pipeline, click_loss, resolve_pipeline, step_lr_schedulers
+from app.pipeline import (
+    Pipeline,
+    PipelinedTraining,
+    check_pipeline,
+    click_loss,
+    resolve_pipeline,
+    step_lr_schedulers,
+)
 
 
 class DLRMModule(LightningModule):

@@ -157,7 +157,11 @@ class PipelinedTraining:
         model = module.trainer.strategy.model  # DistributedModelParallel around the LightningModule
         device = module.trainer.strategy.root_device
         kwargs: dict[str, Any] = dict(
-            model=model, optimizer=_LightningOptimizerOf(module), device=device, execute_all_batches=True, custom_model_fwd=self._forward
+            model=model,
+            optimizer=_LightningOptimizerOf(module),
+            device=device,
+            execute_all_batches=True,
+            custom_model_fwd=self._forward,
         )
         if name == "semi_sync":
             pipeline_class = _semi_sync_class()

@@ -85,7 +85,8 @@ def test_validation_mid_epoch_neither_loses_nor_repeats_a_training_batch(plain, 
         # Validations after steps 6 and 12 (mid-epoch and epoch end), none at the max_steps stop.
         assert [v[0] for v in ranks[rank]["validations"]] == [6, 12]
         assert [v[0] for v in plain[rank]["validations"]] == [6, 12]
-        for (_, rows, logloss), (_, plain_rows, plain_logloss) in zip(ranks[rank]["validations"], plain[rank]["validations"]):
+        for pipelined_pass, plain_pass in zip(ranks[rank]["validations"], plain[rank]["validations"]):
+            (_, rows, logloss), (_, plain_rows, plain_logloss) = pipelined_pass, plain_pass
             assert rows == plain_rows
             assert logloss == plain_logloss  # a training batch leaking into evaluation would change this
     val_rows = sorted(r for rank in ranks for r in rank["validations"][0][1] if r >= 0)

@@ -20,7 +20,9 @@ class TrainingProbe(Callback):
         self.steps: list[tuple[int, int, float, list[int]]] = []
         self.validations: list[list] = []
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self.steps.append((trainer.current_epoch, trainer.global_step, float(loss), batch.row_ids.tolist()))
 
@@ -28,7 +30,15 @@ class TrainingProbe(Callback):
         if trainer.state.fn == "fit":
             self.validations.append([trainer.global_step, [], None])
 
-    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
         if self.validations and trainer.state.fn == "fit":
             self.validations[-1][1].extend(batch.row_ids.tolist())
 
