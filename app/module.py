@@ -147,7 +147,7 @@ class DLRMModule(LightningModule):
         # Rows the data module dropped under data.on_bad_rows = skip: visible next to the loss.
         skipped = getattr(self.trainer.datamodule, "num_bad_rows_skipped", 0)
         if skipped:
-            self.log("data/bad_rows_skipped", float(skipped), rank_zero_only=True)
+            self.log("data/bad_rows_skipped", float(skipped), rank_zero_only=True, batch_size=1)
 
     def validation_step(self, batch: CriteoBatch, batch_idx: int) -> None:
         self._evaluate(batch, self.val_metrics)
