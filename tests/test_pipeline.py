@@ -53,11 +53,11 @@ def sparse_dist(sample, tmp_path_factory) -> dict:
     """The sparse_dist run, checkpointing every 9 steps: step 9 is between epoch 0's two validations."""
     root = tmp_path_factory.mktemp("sparse_dist")
     every_9_steps = [
-        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-        "--trainer.callbacks.dirpath", str(root / "checkpoints"),
-        "--trainer.callbacks.filename", "{step}",
-        "--trainer.callbacks.every_n_train_steps", "9",
-        "--trainer.callbacks.save_top_k", "-1",
+        "--checkpoint.filename", "{step}",
+        "--checkpoint.every_n_train_steps", "9",
+        "--checkpoint.save_top_k", "-1",
+        "--checkpoint.monitor", "null",
+        "--checkpoint.save_last", "false",
     ]  # fmt: skip
     args = pipeline_args(sample, root, "sparse_dist")
     args[args.index("--trainer.enable_checkpointing") + 1] = "true"
@@ -95,7 +95,7 @@ def test_validation_mid_epoch_neither_loses_nor_repeats_a_training_batch(plain, 
 
 def test_a_mid_epoch_checkpoint_resumes_to_where_the_uninterrupted_run_ended(sparse_dist, tmp_path):
     checkpoints = sparse_dist["checkpoints"]
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step=9.ckpt"]
+    assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["step=9.ckpt"]
     resumed = run_on_ranks(2, sparse_dist["args"] + ["--ckpt_path", str(checkpoints / "step=9.ckpt")], tmp_path, probed)
     for rank in range(2):
         uninterrupted = sparse_dist["ranks"][rank]
