@@ -10,6 +10,7 @@ from lightning.pytorch import LightningModule
 from torchmetrics import MetricCollection
 
 from app.data.batches import CriteoBatch
+from app.lr_schedule import LRSchedule, lr_scheduler_config
 from app.metrics import EvalMetrics, build_eval_metrics
 from app.model.dlrm import Interaction, build_dlrm
 from app.model.tables import expand_table_sizes
@@ -45,6 +46,13 @@ class DLRMModule(LightningModule):
             NE, calibration and accuracy are exact running sums in both.
         auc_num_thresholds: thresholds of the ``binned`` AUC; its error is at most about 0.5 /
             auc_num_thresholds for predictions spread over [0, 1], more when they crowd into few bins.
+        lr_warmup_steps: steps of linear learning-rate warm-up from base/steps to base (0: none).
+        lr_decay_start: step at which the polynomial decay starts (MLPerf DLRMv2's schedule).
+        lr_decay_steps: steps the decay lasts (0: no decay); the rate then stays at its end value.
+        lr_decay_power: power of the polynomial decay (MLPerf DLRMv2: 2).
+        lr_decay_end_factor: floor of the decay, as a fraction of the base learning rate.
+            The schedule applies to the dense and the embedding optimizer alike (app/lr_schedule.py)
+            and is logged as ``train/lr`` (dense) and ``train/lr_embedding``.
     """
 
     def __init__(
@@ -64,10 +72,18 @@ class DLRMModule(LightningModule):
         dense_learning_rate: float = 0.05,
         eval_metrics: EvalMetrics = "exact",
         auc_num_thresholds: int = 10_000,
+        lr_warmup_steps: int = 0,
+        lr_decay_start: int = 0,
+        lr_decay_steps: int = 0,
+        lr_decay_power: float = 2.0,
+        lr_decay_end_factor: float = 0.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         check_optimizer_names(sparse_optimizer, dense_optimizer)
+        self.lr_schedule = LRSchedule(
+            lr_warmup_steps, lr_decay_start, lr_decay_steps, lr_decay_power, lr_decay_end_factor
+        )
         self.model = build_dlrm(
             interaction=interaction,
             embedding_dim=embedding_dim,
@@ -93,7 +109,16 @@ class DLRMModule(LightningModule):
         logits = self(batch)
         loss = F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.numel())
+        if not self.lr_schedule.is_constant:
+            self._log_learning_rates()
         return loss
+
+    def _log_learning_rates(self) -> None:
+        # The rates this step trains with: the scheduler has already advanced past the last step.
+        parts = dict(self.optimizers(use_pl_optimizer=False).optimizers)
+        self.log("train/lr", parts["dense"].param_groups[0]["lr"], batch_size=1)
+        if parts["sparse"].param_groups:  # empty when every table is replicated
+            self.log("train/lr_embedding", parts["sparse"].param_groups[0]["lr"], batch_size=1)
 
     def on_train_epoch_end(self) -> None:
         # Rows the data module dropped under data.on_bad_rows = skip: visible next to the loss.
@@ -119,8 +144,9 @@ class DLRMModule(LightningModule):
         return {"row_ids": batch.row_ids[valid], "probabilities": torch.sigmoid(self(batch).float())[valid]}
 
     def configure_optimizers(self) -> Any:
-        """Everything but the sharded tables, whose optimizer already runs inside the embedding backward."""
-        return build_optimizer(
+        """Everything but the sharded tables, whose optimizer already runs inside the embedding backward,
+        and the learning-rate schedule, stepped after every optimizer step."""
+        optimizer = build_optimizer(
             self,
             table_prefix="model.sparse_arch.",
             sparse_optimizer=self.hparams.sparse_optimizer,
@@ -128,3 +154,6 @@ class DLRMModule(LightningModule):
             dense_optimizer=self.hparams.dense_optimizer,
             dense_learning_rate=self.hparams.dense_learning_rate,
         )
+        if self.lr_schedule.is_constant:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": lr_scheduler_config(optimizer, self.lr_schedule)}

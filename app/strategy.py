@@ -39,9 +39,11 @@ from torchrec.optim.keyed import KeyedOptimizer
 from app import checkpoint as checkpoint_format
 from app.checkpoint import CheckpointInfo
 from app.launch import check_launch, set_collective_error_defaults
+from app.lr_schedule import move_scheduler
 from app.plan_json import plan_to_json
 from app.optimizers import StepOnceCombinedOptimizer
 from app.rendezvous import join_process_group
+from app.threads import set_worker_threads
 from app.sharding import (
     TableConstraint,
     build_constraints,
@@ -70,6 +72,8 @@ class TorchRecStrategy(ParallelStrategy):
         rendezvous_timeout_s: seconds every started rank waits for all ranks to join at start-up; a
             node that never starts or a wrong ``MASTER_ADDR`` ends the job after this, with a message
             naming the missing ranks.
+        num_threads_per_process: torch intra-op threads of each process (default: ``OMP_NUM_THREADS``
+            if set, else the machine's cores divided by the processes on the node; see app/threads.py).
     """
 
     strategy_name = "torchrec"
@@ -83,6 +87,7 @@ class TorchRecStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout_s: float = 300.0,
         rendezvous_timeout_s: float = 120.0,
+        num_threads_per_process: int | None = None,
     ) -> None:
         # Accelerator, devices and cluster environment are filled in by the Trainer.
         super().__init__()
@@ -93,6 +98,9 @@ class TorchRecStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self.timeout_s = timeout_s
         self.rendezvous_timeout_s = rendezvous_timeout_s
+        self.num_threads_per_process = num_threads_per_process
+        # As launched: Lightning's launcher exports its own value later, in the launching process only.
+        self._launch_omp_num_threads = os.environ.get("OMP_NUM_THREADS")
         self.num_nodes = 1
         self.sharding_plan: ShardingPlan | None = None
         # The ckpt_path the run was given ("last", "best" or a path), set by the CLI: Lightning names the
@@ -160,6 +168,7 @@ class TorchRecStrategy(ParallelStrategy):
         # TorchRec tells intra- from inter-node links by LOCAL_WORLD_SIZE (default 8); Lightning's
         # launcher and SLURM do not export it.
         os.environ["LOCAL_WORLD_SIZE"] = str(self.num_processes)
+        rank_zero_info(set_worker_threads(self.num_processes, self.num_threads_per_process, self._launch_omp_num_threads))
         set_collective_error_defaults()
         assert self.cluster_environment is not None
         join_process_group(
@@ -264,6 +273,8 @@ class TorchRecStrategy(ParallelStrategy):
             )
         assert self._dmp is not None
         self.optimizers = [StepOnceCombinedOptimizer([("sparse", self._dmp.fused_optimizer), ("dense", self.optimizers[0])])]
+        for config in self.lr_scheduler_configs:  # the schedule must reach the embedding update too
+            config.scheduler = move_scheduler(config.scheduler, self.optimizers[0])
 
     def model_to_device(self) -> None:
         pass  # DMP places every shard and the dense part itself; a .to() would undo the sharding
