@@ -27,8 +27,9 @@ class DLRMModule(LightningModule):
         interaction: how embeddings meet: ``dot`` (DLRM), ``cat`` (concatenation, as in the original
             paper's alternative), ``dcn`` (DCNv2 low-rank cross layers) or ``projection``.
         embedding_dim: D, the width of every embedding table and of the bottom MLP's output.
-        num_embeddings_per_feature: rows of each of the 26 tables (one int for all, or 26 ints).
-            Normally linked from ``data.num_embeddings_per_feature``.
+        num_embeddings_per_feature: rows of each of the 26 tables (one int for all, or 26 ints; fewer
+            ints give tables for the first features only, for benchmarks). Normally linked from
+            ``data.num_embeddings_per_feature``.
         dense_arch_layer_sizes: bottom MLP layer sizes over the 13 dense features; must end with D.
         over_arch_layer_sizes: top MLP layer sizes; must end with 1.
         dcn_num_layers: cross layers of the ``dcn`` interaction.
@@ -87,7 +88,9 @@ class DLRMModule(LightningModule):
         self.model = build_dlrm(
             interaction=interaction,
             embedding_dim=embedding_dim,
-            num_embeddings_per_feature=expand_table_sizes(num_embeddings_per_feature, "num_embeddings_per_feature"),
+            num_embeddings_per_feature=expand_table_sizes(
+                num_embeddings_per_feature, "num_embeddings_per_feature", require_all=False
+            ),
             dense_arch_layer_sizes=dense_arch_layer_sizes,
             over_arch_layer_sizes=over_arch_layer_sizes,
             dcn_num_layers=dcn_num_layers,
