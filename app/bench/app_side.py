@@ -19,9 +19,10 @@ from app.module import DLRMModule
 from app.strategy import TorchRecStrategy
 
 
-def run_app(spec: BenchSpec, model_overrides: dict[str, Any], rank: int, device: torch.device) -> dict[str, Any]:
-    """Trains ``spec.total_steps`` steps and returns the clock, the module and the plan for the report."""
-    clock = StepClock(spec.run.warmup_steps, device)
+def run_app(
+    spec: BenchSpec, model_overrides: dict[str, Any], clock: StepClock, rank: int, device: torch.device
+) -> dict[str, Any]:
+    """Trains ``spec.total_steps`` steps, timed by ``clock``; returns the module and the plan for the report."""
     module = DLRMModule(**{**spec.model_args(), **model_overrides})
     trainer = Trainer(
         accelerator=spec.run.accelerator,
@@ -41,4 +42,4 @@ def run_app(spec: BenchSpec, model_overrides: dict[str, Any], rank: int, device:
     trainer.fit(module, datamodule=RandomDataModule(spec.data, spec.total_steps, spec.run.seed + rank))
     if trainer.global_step != spec.total_steps:
         raise RuntimeError(f"the app trained {trainer.global_step} steps instead of {spec.total_steps}")
-    return {"clock": clock, "plan": trainer.strategy.sharding_plan, "module": module}
+    return {"plan": trainer.strategy.sharding_plan, "module": module}

@@ -106,7 +106,7 @@ def main(args: list[str] | None = None) -> list[dict[str, Any]]:
         # Alternate which side goes first, so that drift in a shared machine's load hits both alike.
         for label, side, overrides in runs if repeat % 2 == 0 else runs[::-1]:
             try:
-                ranks = run_on_ranks(spec, side, overrides)
+                ranks = run_on_ranks(spec, side, overrides, f"{label}_repeat{repeat}")
             except ProcessRaisedException as error:
                 print(f"error: the {label} run failed on a rank:\n{error}", file=sys.stderr)
                 raise SystemExit(1) from None
@@ -146,6 +146,7 @@ def run_line(spec: BenchSpec, label: str, repeat: int, ranks: list[dict[str, Any
         "threads_per_rank": [rank["threads"] for rank in ranks],
         "peak_memory_per_rank": memory,
         "plan": ranks[0]["plan"],
+        **({"phases_ms_per_step_rank0": ranks[0]["phases_ms_per_step"]} if ranks[0]["phases_ms_per_step"] else {}),
         "device": device_description(spec),
         "versions": library_versions(),
         "config": {
@@ -161,11 +162,11 @@ def summary_line(spec: BenchSpec, lines: list[dict[str, Any]]) -> dict[str, Any]
         by_run.setdefault(line["run"], []).append(line["samples_per_s_median"])
     summary: dict[str, Any] = {"bench": spec.name, "summary": True}
     summary.update({f"{run}_samples_per_s_median": statistics.median(rates) for run, rates in by_run.items()})
-    if "raw" in by_run:
+    for baseline in ("raw", "raw_base"):
         for run, rates in by_run.items():
-            if run != "raw":
-                per_repeat = [a / r for a, r in zip(rates, by_run["raw"])]
-                key = "ratio_app_over_raw" if run == "app" else f"ratio_{run}_over_raw"
+            if baseline in by_run and not run.startswith("raw"):
+                per_repeat = [a / r for a, r in zip(rates, by_run[baseline])]
+                key = f"ratio_{run}_over_{baseline}"
                 summary[key] = statistics.median(per_repeat)
                 summary[f"{key}_per_repeat"] = per_repeat
     summary["same_plan"] = len({line["plan"] for line in lines}) == 1

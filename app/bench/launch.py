@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from app.bench.measure import expected_memory_bytes, peak_memory, rss_bytes
+from app.bench.measure import StepClock, expected_memory_bytes, peak_memory
+from app.bench.phases import StepProfiler
 from app.bench.settings import BenchSpec
 from app.model.dlrm import table_name
 from app.sharding import format_plan
@@ -27,12 +28,13 @@ from app.sharding import format_plan
 TABLE_PREFIX = "model.sparse_arch."  # where both sides' models keep their tables
 
 
-def run_on_ranks(spec: BenchSpec, side: str, model_overrides: dict[str, Any]) -> list[dict[str, Any]]:
-    """Runs one side on ``spec.run.world_size`` processes; returns each rank's report."""
+def run_on_ranks(spec: BenchSpec, side: str, model_overrides: dict[str, Any], label: str) -> list[dict[str, Any]]:
+    """Runs one side on ``spec.run.world_size`` processes; returns each rank's report. ``label`` names
+    the run's profiler trace."""
     with tempfile.TemporaryDirectory(prefix="bench_") as out_dir:
         mp.start_processes(
             _worker,
-            args=(spec, side, model_overrides, _free_port(), out_dir),
+            args=(spec, side, model_overrides, label, _free_port(), out_dir),
             nprocs=spec.run.world_size,
             start_method="spawn",
         )
@@ -45,7 +47,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, spec: BenchSpec, side: str, model_overrides: dict[str, Any], port: int, out_dir: str) -> None:
+def _worker(
+    rank: int, spec: BenchSpec, side: str, model_overrides: dict[str, Any], label: str, port: int, out_dir: str
+) -> None:
     world_size = str(spec.run.world_size)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
@@ -55,21 +59,25 @@ def _worker(rank: int, spec: BenchSpec, side: str, model_overrides: dict[str, An
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.manual_seed(spec.run.seed)
-    # Imported here, and memory counted from here on: each side pays only for its own libraries.
-    if side == "raw":
-        from app.bench.raw_side import run_raw as run
+    run = spec.run
+    profiler = None
+    if run.profile_steps and rank == 0:
+        profiler = StepProfiler(Path(run.output_dir) / f"{spec.name}_{label}_rank0.trace.json")
+    clock = StepClock(run.warmup_steps, run.measured_steps, device, profiler, run.profile_steps)
+    # Imported here: each side pays only for its own libraries.
+    if side in ("raw", "raw_base"):
+        from app.bench.raw_side import run_raw
+
+        result = run_raw(spec, clock, rank, device, overlap=side == "raw")
     else:
         from app.bench.app_side import run_app
 
-        def run(spec: BenchSpec, rank: int, device: torch.device) -> dict[str, Any]:
-            return run_app(spec, model_overrides, rank, device)
-
-    rss_at_start = rss_bytes()
-    result = run(spec, rank, device)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(_rank_report(spec, rank, device, rss_at_start, result)))
+        result = run_app(spec, model_overrides, clock, rank, device)
+    report = _rank_report(spec, rank, device, clock, result)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
 
 
-def _rank_report(spec: BenchSpec, rank: int, device: torch.device, rss_at_start: int, result: dict[str, Any]) -> dict:
+def _rank_report(spec: BenchSpec, rank: int, device: torch.device, clock: StepClock, result: dict[str, Any]) -> dict:
     model = spec.model_args()
     rows = model["num_embeddings_per_feature"]
     table_shapes = {table_name(feature): (r, model["embedding_dim"]) for feature, r in zip(DEFAULT_CAT_NAMES, rows)}
@@ -83,8 +91,9 @@ def _rank_report(spec: BenchSpec, rank: int, device: torch.device, rss_at_start:
         result["plan"], rank, table_shapes, model["sparse_optimizer"], dense_parameters, model["dense_optimizer"], batch_bytes
     )
     return {
-        "step_times_s": result["clock"].step_times_s(),
-        "memory": {**peak_memory(device, rss_at_start), "expected_bytes": expected},
+        "step_times_s": clock.step_times_s(),
+        "phases_ms_per_step": clock.phases_ms,
+        "memory": {**peak_memory(device, clock.rss_at_setup_bytes), "expected_bytes": expected},
         "threads": torch.get_num_threads(),
         "plan": format_plan(result["plan"]),
     }

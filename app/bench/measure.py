@@ -3,7 +3,7 @@
 Step times are the intervals between the ends of consecutive steps, so they include everything a
 step costs: fetching the batch, the input all-to-all, forward, backward, the optimizer and, on the
 app's side, what Lightning adds around them. On GPUs the clock is synchronised with the device at
-the first and last measured step only, so that per-step syncs do not break the overlap of a pipeline.
+the start and end of the measured steps only, so that per-step syncs do not break a pipeline's overlap.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torchrec.distributed.types import ShardingPlan
 
+from app.bench.phases import StepProfiler
+
 # Optimizer state per table element, as a multiple of the table itself (row-wise Adagrad keeps one
 # value per row, counted separately).
 _STATE_PER_ELEMENT = {"adagrad": 1, "adam": 2, "sgd": 0, "row_wise_adagrad": 0}
@@ -24,21 +26,38 @@ _FLOAT32_BYTES = 4
 
 
 class StepClock:
-    """Records when each step ends; steps from ``warmup_steps`` on are the measured ones."""
+    """Records when each step ends: ``warmup_steps``, then the measured steps, then (with a profiler)
+    ``profile_steps`` more under the profiler, so that profiling never slows the measured steps."""
 
-    def __init__(self, warmup_steps: int, device: torch.device) -> None:
-        self.warmup_steps = warmup_steps
-        self.device = device
+    def __init__(
+        self, warmup_steps: int, measured_steps: int, device: torch.device,
+        profiler: StepProfiler | None = None, profile_steps: int = 0,
+    ) -> None:  # fmt: skip
+        self.warmup_steps, self.measured_steps, self.device = warmup_steps, measured_steps, device
+        self.profiler, self.profile_steps = profiler, profile_steps
         self.step_end_s: list[float] = []
+        self.rss_at_setup_bytes = 0
+        self.phases_ms: dict[str, float] | None = None
 
-    def step_ended(self, last_step: bool = False) -> None:
-        if self.device.type == "cuda" and (len(self.step_end_s) == self.warmup_steps - 1 or last_step):
+    def mark_setup(self) -> None:
+        """Call once the process group exists and before the model is built: memory grows from here."""
+        self.rss_at_setup_bytes = rss_bytes()
+
+    def step_ended(self) -> None:
+        ended = len(self.step_end_s) + 1
+        measured_end = self.warmup_steps + self.measured_steps
+        if self.device.type == "cuda" and ended in (self.warmup_steps, measured_end):
             torch.cuda.synchronize(self.device)
         self.step_end_s.append(time.perf_counter())
+        if self.profiler is not None and ended == measured_end:
+            self.profiler.start()
+        if self.profiler is not None and ended == measured_end + self.profile_steps:
+            wall_ms = (self.step_end_s[-1] - self.step_end_s[measured_end - 1]) * 1e3
+            self.phases_ms = self.profiler.stop(wall_ms, self.profile_steps)
 
     def step_times_s(self) -> list[float]:
         """Durations of the measured steps: the first measured step starts when the last warm-up step ends."""
-        ends = self.step_end_s[max(0, self.warmup_steps - 1) :]
+        ends = self.step_end_s[self.warmup_steps - 1 : self.warmup_steps + self.measured_steps]
         return [later - earlier for earlier, later in zip(ends, ends[1:])]
 
 
@@ -48,8 +67,11 @@ class StepClockCallback(Callback):
     def __init__(self, clock: StepClock) -> None:
         self.clock = clock
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.clock.mark_setup()  # Lightning calls this after the process group starts, before sharding
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.clock.step_ended(last_step=trainer.global_step >= (trainer.max_steps or 0))
+        self.clock.step_ended()
 
 
 def rss_bytes() -> int:
@@ -58,10 +80,11 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def peak_memory(device: torch.device, rss_at_start_bytes: int) -> dict[str, int]:
-    """Peak resident memory of this process (and peak device memory on GPUs), and the growth since set-up."""
+def peak_memory(device: torch.device, rss_at_setup_bytes: int) -> dict[str, int]:
+    """Peak resident memory of this process (and peak device memory on GPUs), and its growth from the
+    moment the process group existed and the model was not built yet: what the model and training take."""
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    memory = {"peak_rss_bytes": peak_rss, "rss_growth_bytes": peak_rss - rss_at_start_bytes}
+    memory = {"peak_rss_bytes": peak_rss, "rss_growth_bytes": peak_rss - rss_at_setup_bytes}
     if device.type == "cuda":
         memory["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
     return memory

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchrec.distributed import TrainPipelineSparseDist
+from torchrec.distributed import TrainPipelineBase, TrainPipelineSparseDist
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv
 from torchrec.models.dlrm import DLRMTrain
@@ -37,13 +37,18 @@ _MODEL_KEYS = (
 )  # fmt: skip
 
 
-def run_raw(spec: BenchSpec, rank: int, device: torch.device) -> dict[str, Any]:
-    """Trains ``spec.total_steps`` steps and returns the clock, the model and the plan for the report."""
+def run_raw(spec: BenchSpec, clock: StepClock, rank: int, device: torch.device, overlap: bool = True) -> dict[str, Any]:
+    """Trains ``spec.total_steps`` steps, timed by ``clock``; returns the model and the plan for the report.
+
+    ``overlap=False`` drives the same loop with TorchRec's ``TrainPipelineBase`` (copy, forward,
+    backward, step; nothing overlapped), which separates what the overlap gains from what Lightning costs.
+    """
     model_args, strategy = spec.model_args(), spec.strategy
     backend = "gloo" if device.type == "cpu" else "nccl"
     dist.init_process_group(backend, timeout=timedelta(seconds=strategy.get("timeout_s", 1800.0)))
     # As many threads as the app gives its workers, so that the two sides compare like with like.
     set_worker_threads(spec.run.world_size, strategy.get("num_threads_per_process"), os.environ.get("OMP_NUM_THREADS"))
+    clock.mark_setup()
 
     dlrm = build_dlrm(**{key: model_args[key] for key in _MODEL_KEYS}, embedding_device="meta")
     fuse_sparse_optimizer(dlrm.sparse_arch.parameters(), model_args["sparse_optimizer"], model_args["sparse_learning_rate"])
@@ -75,14 +80,15 @@ def run_raw(spec: BenchSpec, rank: int, device: torch.device) -> dict[str, Any]:
         dense_learning_rate=model_args["dense_learning_rate"],
     )
     optimizer = CombinedOptimizer([("sparse", model.fused_optimizer), ("dense", dense_optimizer)])
-    pipeline = TrainPipelineSparseDist(model, optimizer, device)
+    pipeline_class = TrainPipelineSparseDist if overlap else TrainPipelineBase
+    pipeline = pipeline_class(model, optimizer, device)
 
-    clock = StepClock(spec.run.warmup_steps, device)
     batches = iter(random_loader(spec.data, spec.total_steps, spec.run.seed + rank))
     for step in range(spec.total_steps):
         pipeline.progress(batches)
-        clock.step_ended(last_step=step == spec.total_steps - 1)
-    return {"clock": clock, "plan": plan, "module": train_model}
+        clock.step_ended()
+    dist.destroy_process_group()
+    return {"plan": plan, "module": train_model}
 
 
 def _device_memory_bytes(device: torch.device) -> int | None:

@@ -13,7 +13,7 @@ from app.model.dlrm import build_embedding_bag_collection, validate_dlrm_sizes
 from app.optimizers import fuse_sparse_optimizer
 from app.sharding import TableConstraint, validate_fused_optimizer, validate_sharding_request
 
-Side = Literal["app", "raw"]
+Side = Literal["app", "raw", "raw_base"]
 
 # Optimizer state the fused embedding optimizers keep per table element (row-wise Adagrad: per row).
 _STATE_PER_ELEMENT = {"adagrad": 1.0, "adam": 2.0, "sgd": 0.0, "row_wise_adagrad": 0.0}
@@ -30,8 +30,13 @@ class RunSettings:
         warmup_steps: steps trained before the clock starts (start-up, first-touch memory, allocator warm-up).
         measured_steps: steps whose times are reported.
         repeats: app/raw pairs, run one after the other, alternating which side goes first.
-        sides: which sides run: ``app``, ``raw`` or both (the ratio needs both).
+        sides: which sides run: ``app``; ``raw``, the plain TorchRec loop around TrainPipelineSparseDist
+            (the baseline of ``ratio_app_over_raw``); ``raw_base``, the same loop around TorchRec's
+            TrainPipelineBase, which overlaps nothing (gives ``ratio_app_over_raw_base``).
         seed: seed of the model initialisation and of the random data (plus the rank).
+        profile_steps: after the measured steps, this many more under the PyTorch profiler on rank 0:
+            a trace per run in ``output_dir`` (TensorBoard/Perfetto) and a table of ms per step and phase.
+        output_dir: where profiler traces go.
     """
 
     world_size: int = 2
@@ -42,6 +47,8 @@ class RunSettings:
     repeats: int = 1
     sides: list[Side] = field(default_factory=lambda: ["app", "raw"])
     seed: int = 0
+    profile_steps: int = 0
+    output_dir: str = "runs/bench"
 
 
 @dataclass
@@ -57,7 +64,7 @@ class BenchSpec:
 
     @property
     def total_steps(self) -> int:
-        return self.run.warmup_steps + self.run.measured_steps
+        return self.run.warmup_steps + self.run.measured_steps + self.run.profile_steps
 
     @property
     def device_type(self) -> str:
@@ -86,6 +93,10 @@ def check_can_run(spec: BenchSpec) -> None:
     fuse_sparse_optimizer(tables.parameters(), model["sparse_optimizer"], model["sparse_learning_rate"])
     validate_fused_optimizer(tables, spec.device_type)
     _check_tables_fit(spec, rows, model["embedding_dim"], model["sparse_optimizer"])
+    for label, overrides in spec.app_variants.items():
+        for key in overrides:
+            if key not in spec.model:
+                raise ValueError(f"app_variants.{label}.{key} is not a model setting; model settings: {', '.join(spec.model)}")
 
 
 def _check_tables_fit(spec: BenchSpec, rows: list[int], embedding_dim: int, sparse_optimizer: str) -> None:
