@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
-from torch.multiprocessing import ProcessRaisedException
+from torch.multiprocessing.spawn import ProcessException
 
 from app.bench.data import RandomData
 from app.bench.launch import run_on_ranks
@@ -107,7 +107,7 @@ def main(args: list[str] | None = None) -> list[dict[str, Any]]:
         for label, side, overrides in runs if repeat % 2 == 0 else runs[::-1]:
             try:
                 ranks = run_on_ranks(spec, side, overrides, f"{label}_repeat{repeat}")
-            except ProcessRaisedException as error:
+            except ProcessException as error:  # a rank raised, or was killed (e.g. out of memory)
                 print(f"error: the {label} run failed on a rank:\n{error}", file=sys.stderr)
                 raise SystemExit(1) from None
             lines.append(_emit(run_line(spec, label, repeat, ranks, overrides)))
@@ -170,10 +170,14 @@ def summary_line(spec: BenchSpec, lines: list[dict[str, Any]]) -> dict[str, Any]
                 summary[key] = statistics.median(per_repeat)
                 summary[f"{key}_per_repeat"] = per_repeat
     summary["same_plan"] = len({line["plan"] for line in lines}) == 1
+    # The target is the app's: no rank grows by more than 1.1x what it must hold (tables never duplicated).
+    growth = {
+        run: max(rank["growth_over_expected"] for line in lines if line["run"] == run for rank in line["peak_memory_per_rank"])
+        for run in by_run
+    }
+    summary["memory_growth_over_expected_max"] = growth
     summary["memory_target_factor"] = MEMORY_TARGET_FACTOR
-    summary["memory_target_holds"] = all(
-        rank["growth_over_expected"] <= MEMORY_TARGET_FACTOR for line in lines for rank in line["peak_memory_per_rank"]
-    )
+    summary["memory_target_holds"] = all(g <= MEMORY_TARGET_FACTOR for run, g in growth.items() if not run.startswith("raw"))
     return summary
 
 
