@@ -43,7 +43,6 @@ from app.lr_schedule import move_scheduler
 from app.plan_json import plan_to_json
 from app.optimizers import StepOnceCombinedOptimizer
 from app.rendezvous import join_process_group
-from app.threads import set_worker_threads
 from app.sharding import (
     TableConstraint,
     build_constraints,
@@ -54,6 +53,7 @@ from app.sharding import (
     validate_fused_optimizer,
     validate_sharding_request,
 )
+from app.threads import set_worker_threads
 
 class TorchRecStrategy(ParallelStrategy):
     """Shards the embedding tables of the LightningModule across all processes with TorchRec.
