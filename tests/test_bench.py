@@ -18,10 +18,11 @@ TINY = [
 ]  # fmt: skip
 
 
-def test_make_bench_prints_a_json_line_per_run_and_the_ratio():
+def test_make_bench_prints_a_json_line_per_run_and_the_ratio(tmp_path):
     # -o: never redo the environment's set-up from inside a test; the test's interpreter runs the bench.
+    bench_args = " ".join([*TINY, "--run.output_dir", str(tmp_path)])
     result = subprocess.run(
-        ["make", "--no-print-directory", "-o", ".venv/.installed", "bench", f"PY={sys.executable}", f"BENCH_ARGS={' '.join(TINY)}"],
+        ["make", "--no-print-directory", "-o", ".venv/.installed", "bench", f"PY={sys.executable}", f"BENCH_ARGS={bench_args}"],
         capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parents[1],
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
@@ -36,6 +37,7 @@ def test_make_bench_prints_a_json_line_per_run_and_the_ratio():
     summary = lines[2]
     assert summary["summary"] is True and summary["same_plan"] is True
     assert summary["ratio_app_over_raw"] == pytest.approx(lines[0]["samples_per_s_median"] / lines[1]["samples_per_s_median"])
+    assert (tmp_path / "sharding_plan.json").is_file()  # the app's record of its plan, in the bench's folder
 
 
 @pytest.mark.parametrize(

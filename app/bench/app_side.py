@@ -29,6 +29,7 @@ def run_app(
         devices=spec.run.world_size,
         strategy=TorchRecStrategy(**spec.strategy),
         max_steps=spec.total_steps,
+        default_root_dir=spec.run.output_dir,  # the strategy writes the plan it used there
         max_epochs=-1,
         precision=spec.run.precision,
         logger=False,

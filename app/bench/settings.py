@@ -36,7 +36,7 @@ class RunSettings:
         seed: seed of the model initialisation and of the random data (plus the rank).
         profile_steps: after the measured steps, this many more under the PyTorch profiler on rank 0:
             a trace per run in ``output_dir`` (TensorBoard/Perfetto) and a table of ms per step and phase.
-        output_dir: where profiler traces go.
+        output_dir: where profiler traces and the app's record of its sharding plan go.
     """
 
     world_size: int = 2
