@@ -6,19 +6,22 @@ checkpoint: its SIGUSR1 handler saves from inside the signal handler (a collecti
 when the signal reaches only some ranks) and its SIGTERM handler exits without saving. Here the
 handler only records the signal; after each training batch all ranks agree (an all-reduce of "did
 any rank get a signal") and then every rank takes part in the save, at a batch boundary, so the
-checkpoint resumes exactly at the next batch.
+checkpoint resumes exactly at the next batch. Under SLURM with auto-requeue (Lightning's default),
+SIGUSR1 then requeues the job as Lightning's own handler would (``scontrol requeue``).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -56,7 +59,10 @@ class SaveOnSignal(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._previous_handlers or not self._any_rank_received(trainer):
+        if not self._previous_handlers:
+            return
+        any_signal, any_sigusr1 = self._agreed_signals(trainer)
+        if not any_signal:
             return
         path = self._checkpoint_path(trainer)
         trainer.save_checkpoint(path)
@@ -64,6 +70,10 @@ class SaveOnSignal(Callback):
         rank_zero_info(f"{name}: saved {path} at step {trainer.global_step}; stopping (resume with --ckpt_path last)")
         trainer.should_stop = True
         self._restore_handlers()
+        environment = trainer.strategy.cluster_environment
+        on_slurm = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+        if any_sigusr1 and on_slurm and trainer.is_global_zero:
+            requeue_slurm_job()
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._restore_handlers()
@@ -71,12 +81,14 @@ class SaveOnSignal(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._restore_handlers()
 
-    def _any_rank_received(self, trainer: Trainer) -> bool:
-        # A signal may reach only some ranks (kill PID, a node-local agent): the ranks must agree.
-        received = torch.tensor([1 if self._received else 0], device=trainer.strategy.root_device)
+    def _agreed_signals(self, trainer: Trainer) -> tuple[bool, bool]:
+        """(any rank got a signal, any rank got SIGUSR1): a signal may reach only some ranks."""
+        flags = [1 if self._received else 0, 1 if self._received == signal.SIGUSR1 else 0]
+        received = torch.tensor(flags, device=trainer.strategy.root_device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(received, op=dist.ReduceOp.MAX)
-        return bool(received.item())
+        any_signal, any_sigusr1 = received.tolist()
+        return bool(any_signal), bool(any_sigusr1)
 
     @staticmethod
     def _checkpoint_path(trainer: Trainer) -> str:
@@ -89,3 +101,12 @@ class SaveOnSignal(Callback):
         for signum, handler in self._previous_handlers.items():
             signal.signal(signum, handler)
         self._previous_handlers = {}
+
+
+def requeue_slurm_job() -> int:
+    """Puts this SLURM job back in the queue (``scontrol requeue``); returns scontrol's exit code."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job_id = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
+    result = subprocess.run(["scontrol", "requeue", job_id], check=False).returncode
+    rank_zero_info(f"requeued SLURM job {job_id}" if result == 0 else f"scontrol requeue {job_id} failed ({result})")
+    return result
