@@ -38,11 +38,13 @@ from torchrec.optim.keyed import KeyedOptimizer
 
 from app import checkpoint as checkpoint_format
 from app.checkpoint import CheckpointInfo
+from app.export import is_exported_model, load_exported_into
 from app.launch import check_launch, set_collective_error_defaults
 from app.lr_schedule import move_scheduler
 from app.plan_json import plan_to_json
 from app.optimizers import StepOnceCombinedOptimizer
 from app.rendezvous import join_process_group
+from app.reshard import plan_allows
 from app.sharding import (
     TableConstraint,
     build_constraints,
@@ -233,15 +235,24 @@ class TorchRecStrategy(ParallelStrategy):
         sharders = default_sharders()
         # A checkpoint's shards and optimizer keys fit the plan they were written under, and the
         # planner may choose differently between runs (ties between table- and column-wise): reuse it.
-        saved = self._checkpoint_info(checkpoint_path, module) if checkpoint_path else None
-        reuse = saved is not None and saved.world_size == self.world_size
+        # Otherwise (another world size, or a plan that breaks this run's sharding settings) plan afresh
+        # and let the loader reshard (app/reshard.py). An exported model file has no plan.
+        constraints = build_constraints(tables, self.sharding_types, self.table_constraints)
+        allowed = {table: c.sharding_types for table, c in constraints.items()}
+        exported = checkpoint_path is not None and is_exported_model(checkpoint_path)
+        saved = self._checkpoint_info(checkpoint_path, module) if checkpoint_path and not exported else None
+        reuse = (
+            saved is not None
+            and saved.world_size == self.world_size
+            and plan_allows(saved.sharding_plan, allowed, self.world_size)
+        )
         self.sharding_plan = saved.sharding_plan if reuse else plan_sharding(
             module,
             world_size=self.world_size,
             local_world_size=self.num_processes,
             device=self.root_device,
             sharders=sharders,
-            constraints=build_constraints(tables, self.sharding_types, self.table_constraints),
+            constraints=constraints,
             hbm_cap_bytes=self.hbm_cap_bytes or self._device_memory_bytes(),
             ddr_cap_bytes=self.ddr_cap_bytes,
             batch_size_per_rank=None,
@@ -322,6 +333,12 @@ class TorchRecStrategy(ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         # weights_only needs no switch here: nothing in a checkpoint is ever unpickled as code.
+        if is_exported_model(checkpoint_path):
+            if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+                raise ValueError(
+                    f"ckpt_path {checkpoint_path}: an exported model holds no training state; resume fit from a checkpoint folder"
+                )
+            return load_exported_into(checkpoint_path, self.lightning_module)
         info = self._checkpoint_info(checkpoint_path, self.lightning_module)
         optimizers = self.optimizers if "optimizer_states" in info.meta["tensor_keys"] else []
         checkpoint_format.load_sharded_state(
