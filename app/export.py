@@ -141,7 +141,7 @@ def _copy_held_part(target: torch.Tensor, full: torch.Tensor, where: str) -> Non
 def main(args: list[str] | None = None) -> None:
     """``python -m app export --ckpt_path CKPT --output model.pt`` (``--help``, ``--config``)."""
     try:
-        CLI(export_checkpoint, args=args, as_positional=False)
+        CLI(export_checkpoint, args=args, as_positional=False, prog="python -m app export")
     except (ValueError, OSError) as error:  # a user's bad path: one line, as `python -m app` shows it
         if os.environ.get("APP_TRACEBACK"):
             raise
