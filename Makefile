@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SAMPLE := data/sample/train.tsv
 
-.PHONY: setup run test sample lint bench-data clean help
+.PHONY: setup run test sample lint bench bench-data clean help
 
 help:
 	@echo "make run    - set up .venv and train the demo (2 CPU processes, sharded embeddings)"
@@ -14,6 +14,7 @@ help:
 	@echo "make setup  - only create .venv and install the pinned stack"
 	@echo "make sample - only generate the bundled Criteo-format sample in data/sample/"
 	@echo "make lint   - lint the Dockerfile with hadolint"
+	@echo "make bench  - the app against a plain TorchRec loop, side by side (JSON lines; BENCH_ARGS=\"--preset NAME ...\")"
 	@echo "make bench-data - data-path figures: raw->NumPy vs pandas, batches vs training, first vs cached fit, memory at 1M vs 10M rows (minutes)"
 
 setup: $(STAMP)
@@ -41,6 +42,11 @@ test: setup lint
 
 lint: setup
 	$(VENV)/bin/hadolint Dockerfile
+
+# Extra arguments for python -m app.bench, e.g. BENCH_ARGS="--preset gaudi_medium --run.measured_steps 5".
+BENCH_ARGS ?=
+bench: setup
+	$(PY) -m app.bench $(BENCH_ARGS)
 
 bench-data: setup
 	$(PY) data/bench_data.py

@@ -1,6 +1,13 @@
-"""``python -m app``: the training application's entry point."""
+"""``python -m app``: the training application's entry point (``export`` writes an unsharded model file)."""
 
-from app.cli import cli_main
+import sys
 
 if __name__ == "__main__":
-    cli_main()
+    if sys.argv[1:2] == ["export"]:
+        from app.export import main
+
+        main(sys.argv[2:])
+    else:
+        from app.cli import cli_main
+
+        cli_main()

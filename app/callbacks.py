@@ -57,7 +57,7 @@ class PredictionWriter(BasePredictionWriter):
     """Writes ``predictions.tsv`` (row id, click probability), rows in input order, from all ranks.
 
     Args:
-        output_dir: folder of the predictions file (default: the trainer's log directory).
+        output_dir: folder of the predictions file (default: ``trainer.default_root_dir``).
     """
 
     def __init__(self, output_dir: str | None = None) -> None:
@@ -76,7 +76,7 @@ class PredictionWriter(BasePredictionWriter):
             probabilities = torch.cat([g[1] for g in gathered])
         if trainer.is_global_zero:
             order = torch.argsort(row_ids)
-            path = Path(self.output_dir or trainer.log_dir or ".") / "predictions.tsv"
+            path = Path(self.output_dir or trainer.default_root_dir) / "predictions.tsv"
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("w") as out:
                 out.write("row_id\tprobability\n")

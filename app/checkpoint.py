@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torchrec.distributed.types import ShardingPlan
 
 from app.plan_json import plan_from_json, plan_to_json
+from app.reshard import load_resharded
 
 META_FILE = "meta.json"  # written last: a folder without it is incomplete
 DCP_INDEX_FILE = ".metadata"
@@ -331,12 +332,13 @@ def load_sharded_state(
     Every rank reads the pieces of the saved shards that overlap its own. ``saved_plan`` is the plan
     the checkpoint was written under, ``current_plan`` the one ``module`` is sharded with.
     """
-    if current_plan is None or plan_to_json(saved_plan) != plan_to_json(current_plan):
-        # The fused optimizer's state keys and shapes follow the plan (torchrec#2394).
-        raise ValueError(
-            f"ckpt_path {checkpoint_dir} was written under another sharding plan or number of processes than "
-            "this run's; loading into another plan is not supported yet (torchrec#2534)"
+    assert current_plan is not None
+    if plan_to_json(saved_plan) != plan_to_json(current_plan):
+        # The fused optimizer's state keys and shapes follow the plan (torchrec#2394): app/reshard.py maps them.
+        load_resharded(
+            checkpoint_dir, module, optimizers, saved_plan, current_plan, lambda: SafeFileSystemReader(checkpoint_dir)
         )
+        return
     tensors: dict[str, Any] = {"state_dict": module.state_dict()}
     if optimizers:
         for optimizer in optimizers:

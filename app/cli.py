@@ -52,7 +52,8 @@ class DLRMCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        root = config.trainer.default_root_dir
+        # Lightning's own default for an unset default_root_dir: the working directory.
+        root = config.trainer.default_root_dir or os.getcwd()
         if config.checkpoint.dirpath is None:
             # Not Lightning's default (the first logger's version folder): a fixed folder per run, so
             # that `--ckpt_path last` finds the run's checkpoints whatever the logger version.

@@ -9,6 +9,7 @@ from lightning.pytorch import LightningModule
 from torchmetrics import MetricCollection
 
 from app.data.batches import CriteoBatch
+from app.lr_schedule import LRSchedule, lr_scheduler_config, step_lr_schedulers
 from app.metrics import EvalMetrics, build_eval_metrics
 from app.model.dlrm import Interaction, build_dlrm
 from app.model.tables import expand_table_sizes
@@ -19,7 +20,6 @@ from app.pipeline import (
     check_pipeline,
     click_loss,
     resolve_pipeline,
-    step_lr_schedulers,
 )
 
 
@@ -33,8 +33,9 @@ class DLRMModule(LightningModule):
         interaction: how embeddings meet: ``dot`` (DLRM), ``cat`` (concatenation, as in the original
             paper's alternative), ``dcn`` (DCNv2 low-rank cross layers) or ``projection``.
         embedding_dim: D, the width of every embedding table and of the bottom MLP's output.
-        num_embeddings_per_feature: rows of each of the 26 tables (one int for all, or 26 ints).
-            Normally linked from ``data.num_embeddings_per_feature``.
+        num_embeddings_per_feature: rows of each of the 26 tables (one int for all, or 26 ints; fewer
+            ints give tables for the first features only, for benchmarks). Normally linked from
+            ``data.num_embeddings_per_feature``.
         dense_arch_layer_sizes: bottom MLP layer sizes over the 13 dense features; must end with D.
         over_arch_layer_sizes: top MLP layer sizes; must end with 1.
         dcn_num_layers: cross layers of the ``dcn`` interaction.
@@ -61,6 +62,13 @@ class DLRMModule(LightningModule):
             no slower there, see app/pipeline.py).
         semi_sync_start_step: batches trained synchronously (counted from the start of this
             process) before ``semi_sync`` lets lookups lag; TorchRec's default is 900.
+        lr_warmup_steps: steps of linear learning-rate warm-up from base/steps to base (0: none).
+        lr_decay_start: step at which the polynomial decay starts (MLPerf DLRMv2's schedule).
+        lr_decay_steps: steps the decay lasts (0: no decay); the rate then stays at its end value.
+        lr_decay_power: power of the polynomial decay (MLPerf DLRMv2: 2).
+        lr_decay_end_factor: floor of the decay, as a fraction of the base learning rate.
+            The schedule applies to the dense and the embedding optimizer alike (app/lr_schedule.py)
+            and is logged as ``train/lr`` (dense) and ``train/lr_embedding``.
     """
 
     def __init__(
@@ -82,16 +90,26 @@ class DLRMModule(LightningModule):
         auc_num_thresholds: int = 10_000,
         pipeline: Pipeline = "auto",
         semi_sync_start_step: int = 900,
+        lr_warmup_steps: int = 0,
+        lr_decay_start: int = 0,
+        lr_decay_steps: int = 0,
+        lr_decay_power: float = 2.0,
+        lr_decay_end_factor: float = 0.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         check_optimizer_names(sparse_optimizer, dense_optimizer)
         check_pipeline(pipeline)
         self._pipelined: PipelinedTraining | None = None
+        self.lr_schedule = LRSchedule(
+            lr_warmup_steps, lr_decay_start, lr_decay_steps, lr_decay_power, lr_decay_end_factor
+        )
         self.model = build_dlrm(
             interaction=interaction,
             embedding_dim=embedding_dim,
-            num_embeddings_per_feature=expand_table_sizes(num_embeddings_per_feature, "num_embeddings_per_feature"),
+            num_embeddings_per_feature=expand_table_sizes(
+                num_embeddings_per_feature, "num_embeddings_per_feature", require_all=False
+            ),
             dense_arch_layer_sizes=dense_arch_layer_sizes,
             over_arch_layer_sizes=over_arch_layer_sizes,
             dcn_num_layers=dcn_num_layers,
@@ -120,6 +138,8 @@ class DLRMModule(LightningModule):
     def training_step(self, batch: CriteoBatch, batch_idx: int) -> torch.Tensor:
         loss = click_loss(self(batch), batch)
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.numel())
+        if not self.lr_schedule.is_constant:
+            self._log_learning_rates()
         return loss
 
     def pipelined_training_step(self, dataloader_iter: Any) -> torch.Tensor:
@@ -130,6 +150,8 @@ class DLRMModule(LightningModule):
         loss, batch = self._pipelined.step(dataloader_iter)
         step_lr_schedulers(self, "step")
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.numel())
+        if not self.lr_schedule.is_constant:
+            self._log_learning_rates()
         return loss
 
     def on_validation_start(self) -> None:
@@ -140,6 +162,13 @@ class DLRMModule(LightningModule):
         if self._pipelined is not None:
             self._pipelined.stop()
             self._pipelined = None
+
+    def _log_learning_rates(self) -> None:
+        # The rates this step trains with: the scheduler has already advanced past the last step.
+        parts = dict(self.optimizers(use_pl_optimizer=False).optimizers)
+        self.log("train/lr", parts["dense"].param_groups[0]["lr"], batch_size=1)
+        if parts["sparse"].param_groups:  # empty when every table is replicated
+            self.log("train/lr_embedding", parts["sparse"].param_groups[0]["lr"], batch_size=1)
 
     def on_train_epoch_end(self) -> None:
         if not self.automatic_optimization:
@@ -167,8 +196,9 @@ class DLRMModule(LightningModule):
         return {"row_ids": batch.row_ids[valid], "probabilities": torch.sigmoid(self(batch).float())[valid]}
 
     def configure_optimizers(self) -> Any:
-        """Everything but the sharded tables, whose optimizer already runs inside the embedding backward."""
-        return build_optimizer(
+        """Everything but the sharded tables, whose optimizer already runs inside the embedding backward,
+        and the learning-rate schedule, stepped after every optimizer step."""
+        optimizer = build_optimizer(
             self,
             table_prefix="model.sparse_arch.",
             sparse_optimizer=self.hparams.sparse_optimizer,
@@ -176,3 +206,6 @@ class DLRMModule(LightningModule):
             dense_optimizer=self.hparams.dense_optimizer,
             dense_learning_rate=self.hparams.dense_learning_rate,
         )
+        if self.lr_schedule.is_constant:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": lr_scheduler_config(optimizer, self.lr_schedule)}

@@ -232,16 +232,3 @@ def click_loss(logits: torch.Tensor, batch: CriteoBatch) -> torch.Tensor:
     """Binary cross-entropy of the click logits, in float32 whatever the compute precision."""
     return F.binary_cross_entropy_with_logits(logits.float(), batch.labels)
 
-
-def step_lr_schedulers(module: LightningModule, interval: str) -> None:
-    """Steps the module's LR schedulers of ``interval`` (``step`` or ``epoch``).
-
-    Under manual optimization Lightning leaves this to the module; the plain loop's automatic
-    optimization does it after every optimizer step. Plateau schedulers need a metric and are left out.
-    """
-    trainer = module.trainer
-    count = trainer.global_step if interval == "step" else trainer.current_epoch + 1
-    for config in trainer.lr_scheduler_configs:
-        if config.interval == interval and not config.reduce_on_plateau and count % config.frequency == 0:
-            config.scheduler.step()
-

@@ -6,19 +6,22 @@ checkpoint: its SIGUSR1 handler saves from inside the signal handler (a collecti
 when the signal reaches only some ranks) and its SIGTERM handler exits without saving. Here the
 handler only records the signal; after each training batch all ranks agree (an all-reduce of "did
 any rank get a signal") and then every rank takes part in the save, at a batch boundary, so the
-checkpoint resumes exactly at the next batch.
+checkpoint resumes exactly at the next batch. Under SLURM with auto-requeue (Lightning's default),
+SIGUSR1 then requeues the job as Lightning's own handler would (``scontrol requeue``).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -34,13 +37,20 @@ class SaveOnSignal(Callback):
 
     Args:
         signals: the signals that trigger the save (SIGTERM, SIGUSR1); an empty list turns it off.
+        check_every_n_steps: how often, in training steps, the ranks agree whether a signal arrived.
+            Each check is one small all-reduce and, on GPUs, a device-to-host sync that stalls the
+            overlapped pipeline, hence not every step; SLURM's ``--signal=SIGUSR1@90`` leaves 90 s,
+            far more than a few steps.
     """
 
-    def __init__(self, signals: list[str] = ["SIGTERM", "SIGUSR1"]) -> None:
+    def __init__(self, signals: list[str] = ["SIGTERM", "SIGUSR1"], check_every_n_steps: int = 10) -> None:
         unknown = sorted(set(signals) - set(_SIGNALS))
         if unknown:
             raise ValueError(f"save_on_signal.signals: {unknown} unknown; choose from {sorted(_SIGNALS)}")
+        if check_every_n_steps < 1:
+            raise ValueError(f"save_on_signal.check_every_n_steps = {check_every_n_steps}: must be at least 1")
         self.signals = list(signals)
+        self.check_every_n_steps = check_every_n_steps
         self._received: int = 0  # the signal number, 0 while none arrived
         self._previous_handlers: dict[int, Any] = {}
 
@@ -56,7 +66,11 @@ class SaveOnSignal(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._previous_handlers or not self._any_rank_received(trainer):
+        # global_step is the same on every rank, so all ranks take part in the same checks.
+        if not self._previous_handlers or trainer.global_step % self.check_every_n_steps:
+            return
+        any_signal, any_sigusr1 = self._agreed_signals(trainer)
+        if not any_signal:
             return
         path = self._checkpoint_path(trainer)
         trainer.save_checkpoint(path)
@@ -64,6 +78,10 @@ class SaveOnSignal(Callback):
         rank_zero_info(f"{name}: saved {path} at step {trainer.global_step}; stopping (resume with --ckpt_path last)")
         trainer.should_stop = True
         self._restore_handlers()
+        environment = trainer.strategy.cluster_environment
+        on_slurm = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
+        if any_sigusr1 and on_slurm and trainer.is_global_zero:
+            requeue_slurm_job()
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._restore_handlers()
@@ -71,12 +89,14 @@ class SaveOnSignal(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._restore_handlers()
 
-    def _any_rank_received(self, trainer: Trainer) -> bool:
-        # A signal may reach only some ranks (kill PID, a node-local agent): the ranks must agree.
-        received = torch.tensor([1 if self._received else 0], device=trainer.strategy.root_device)
+    def _agreed_signals(self, trainer: Trainer) -> tuple[bool, bool]:
+        """(any rank got a signal, any rank got SIGUSR1): a signal may reach only some ranks."""
+        flags = [1 if self._received else 0, 1 if self._received == signal.SIGUSR1 else 0]
+        received = torch.tensor(flags, device=trainer.strategy.root_device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(received, op=dist.ReduceOp.MAX)
-        return bool(received.item())
+        any_signal, any_sigusr1 = received.tolist()
+        return bool(any_signal), bool(any_sigusr1)
 
     @staticmethod
     def _checkpoint_path(trainer: Trainer) -> str:
@@ -89,3 +109,12 @@ class SaveOnSignal(Callback):
         for signum, handler in self._previous_handlers.items():
             signal.signal(signum, handler)
         self._previous_handlers = {}
+
+
+def requeue_slurm_job() -> int:
+    """Puts this SLURM job back in the queue (``scontrol requeue``); returns scontrol's exit code."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    job_id = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
+    result = subprocess.run(["scontrol", "requeue", job_id], check=False).returncode
+    rank_zero_info(f"requeued SLURM job {job_id}" if result == 0 else f"scontrol requeue {job_id} failed ({result})")
+    return result

@@ -38,10 +38,13 @@ from torchrec.optim.keyed import KeyedOptimizer
 
 from app import checkpoint as checkpoint_format
 from app.checkpoint import CheckpointInfo
+from app.export import is_exported_model, load_exported_into
 from app.launch import check_launch, set_collective_error_defaults
+from app.lr_schedule import move_scheduler
 from app.plan_json import plan_to_json
 from app.optimizers import StepOnceCombinedOptimizer
 from app.rendezvous import join_process_group
+from app.reshard import plan_allows
 from app.sharding import (
     TableConstraint,
     build_constraints,
@@ -52,6 +55,7 @@ from app.sharding import (
     validate_fused_optimizer,
     validate_sharding_request,
 )
+from app.threads import set_worker_threads
 
 class TorchRecStrategy(ParallelStrategy):
     """Shards the embedding tables of the LightningModule across all processes with TorchRec.
@@ -70,6 +74,8 @@ class TorchRecStrategy(ParallelStrategy):
         rendezvous_timeout_s: seconds every started rank waits for all ranks to join at start-up; a
             node that never starts or a wrong ``MASTER_ADDR`` ends the job after this, with a message
             naming the missing ranks.
+        num_threads_per_process: torch intra-op threads of each process (default: ``OMP_NUM_THREADS``
+            if set, else the machine's cores divided by the processes on the node; see app/threads.py).
     """
 
     strategy_name = "torchrec"
@@ -83,6 +89,7 @@ class TorchRecStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout_s: float = 300.0,
         rendezvous_timeout_s: float = 120.0,
+        num_threads_per_process: int | None = None,
     ) -> None:
         # Accelerator, devices and cluster environment are filled in by the Trainer.
         super().__init__()
@@ -93,6 +100,9 @@ class TorchRecStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self.timeout_s = timeout_s
         self.rendezvous_timeout_s = rendezvous_timeout_s
+        self.num_threads_per_process = num_threads_per_process
+        # As launched: Lightning's launcher exports its own value later, in the launching process only.
+        self._launch_omp_num_threads = os.environ.get("OMP_NUM_THREADS")
         self.num_nodes = 1
         self.sharding_plan: ShardingPlan | None = None
         # The ckpt_path the run was given ("last", "best" or a path), set by the CLI: Lightning names the
@@ -160,6 +170,7 @@ class TorchRecStrategy(ParallelStrategy):
         # TorchRec tells intra- from inter-node links by LOCAL_WORLD_SIZE (default 8); Lightning's
         # launcher and SLURM do not export it.
         os.environ["LOCAL_WORLD_SIZE"] = str(self.num_processes)
+        rank_zero_info(set_worker_threads(self.num_processes, self.num_threads_per_process, self._launch_omp_num_threads))
         set_collective_error_defaults()
         assert self.cluster_environment is not None
         join_process_group(
@@ -224,15 +235,24 @@ class TorchRecStrategy(ParallelStrategy):
         sharders = default_sharders()
         # A checkpoint's shards and optimizer keys fit the plan they were written under, and the
         # planner may choose differently between runs (ties between table- and column-wise): reuse it.
-        saved = self._checkpoint_info(checkpoint_path, module) if checkpoint_path else None
-        reuse = saved is not None and saved.world_size == self.world_size
+        # Otherwise (another world size, or a plan that breaks this run's sharding settings) plan afresh
+        # and let the loader reshard (app/reshard.py). An exported model file has no plan.
+        constraints = build_constraints(tables, self.sharding_types, self.table_constraints)
+        allowed = {table: c.sharding_types for table, c in constraints.items()}
+        exported = checkpoint_path is not None and is_exported_model(checkpoint_path)
+        saved = self._checkpoint_info(checkpoint_path, module) if checkpoint_path and not exported else None
+        reuse = (
+            saved is not None
+            and saved.world_size == self.world_size
+            and plan_allows(saved.sharding_plan, allowed, self.world_size)
+        )
         self.sharding_plan = saved.sharding_plan if reuse else plan_sharding(
             module,
             world_size=self.world_size,
             local_world_size=self.num_processes,
             device=self.root_device,
             sharders=sharders,
-            constraints=build_constraints(tables, self.sharding_types, self.table_constraints),
+            constraints=constraints,
             hbm_cap_bytes=self.hbm_cap_bytes or self._device_memory_bytes(),
             ddr_cap_bytes=self.ddr_cap_bytes,
             batch_size_per_rank=None,
@@ -264,6 +284,8 @@ class TorchRecStrategy(ParallelStrategy):
             )
         assert self._dmp is not None
         self.optimizers = [StepOnceCombinedOptimizer([("sparse", self._dmp.fused_optimizer), ("dense", self.optimizers[0])])]
+        for config in self.lr_scheduler_configs:  # the schedule must reach the embedding update too
+            config.scheduler = move_scheduler(config.scheduler, self.optimizers[0])
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if getattr(self.lightning_module, "training_step_calls_model", False):
@@ -319,6 +341,12 @@ class TorchRecStrategy(ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         # weights_only needs no switch here: nothing in a checkpoint is ever unpickled as code.
+        if is_exported_model(checkpoint_path):
+            if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+                raise ValueError(
+                    f"ckpt_path {checkpoint_path}: an exported model holds no training state; resume fit from a checkpoint folder"
+                )
+            return load_exported_into(checkpoint_path, self.lightning_module)
         info = self._checkpoint_info(checkpoint_path, self.lightning_module)
         optimizers = self.optimizers if "optimizer_states" in info.meta["tensor_keys"] else []
         checkpoint_format.load_sharded_state(

@@ -37,3 +37,11 @@ def sample(tmp_path_factory) -> dict[str, Path]:
     write_synthetic_criteo(folder / "train.tsv", num_rows=1_536, seed=11)
     write_synthetic_criteo(folder / "val.tsv", num_rows=300, seed=12)
     return {"train": folder / "train.tsv", "val": folder / "val.tsv"}
+
+
+@pytest.fixture(scope="session")
+def checkpoint_writer(sample, tmp_path_factory) -> dict:
+    """A 2-process run that saved sharded checkpoints at steps 8 and 16 (tests/reshard_runs.py)."""
+    from reshard_runs import run_writer
+
+    return run_writer(sample, tmp_path_factory.mktemp("writer"))

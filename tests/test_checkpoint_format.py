@@ -162,3 +162,21 @@ def test_an_index_that_names_other_code_is_refused(model, tmp_path):
     (tmp_path / "last.ckpt" / ".metadata").write_bytes(evil)
     with pytest.raises(ValueError, match=r"unreadable \(os.system is not allowed in a checkpoint index\)"):
         checkpoint_format.read(tmp_path / "last.ckpt", model)
+
+
+def test_requeue_calls_scontrol_with_the_job_id(tmp_path, monkeypatch):
+    from app.preemption import requeue_slurm_job
+
+    # scontrol itself exists only on a SLURM cluster: a stand-in on PATH records how it was called.
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho \"$@\" > {tmp_path / 'called'}\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    assert requeue_slurm_job() == 0
+    assert (tmp_path / "called").read_text() == "requeue 4242\n"
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "3")
+    assert requeue_slurm_job() == 0
+    assert (tmp_path / "called").read_text() == "requeue 77_3\n"

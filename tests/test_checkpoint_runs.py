@@ -19,9 +19,21 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from app import checkpoint as checkpoint_format
-from test_train import run_app
-
 TIMEOUT_S = 300
+# Launcher settings an in-process CLI test may have left in this process's environment: each run here
+# lets Lightning's launcher choose its own free port.
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "GLOBAL_RANK")
+
+
+def app_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
+    return {**env, "PYTHONPATH": str(Path.cwd())}
+
+
+def run_app(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args], capture_output=True, text=True, timeout=TIMEOUT_S, env=app_env()
+    )
 
 
 def fit_args(sample: dict[str, Path], root: Path) -> list[str]:
@@ -40,7 +52,7 @@ def fit_args(sample: dict[str, Path], root: Path) -> list[str]:
 
 
 def start_app(args: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(Path.cwd())}
+    env = app_env()
     # A session of its own, so that the test can kill the whole job (both ranks) at once.
     return subprocess.Popen(
         [sys.executable, "-m", "app", *args], env=env, start_new_session=True,

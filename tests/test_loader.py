@@ -34,7 +34,7 @@ def test_resume_mid_epoch_continues_at_the_next_batch():
     iterator = iter(interrupted)
     first_five = _row_ids(next(iterator) for _ in range(5))
     state = interrupted.state_dict()
-    assert state == {"epoch": 3, "next_batch": 5}
+    assert state == {"epoch": 3, "next_batch": 5, "global_batch_size": 8}
 
     resumed = _loader(num_workers=1)  # a new process would build a new loader
     resumed.load_state_dict(state)

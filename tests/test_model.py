@@ -75,7 +75,7 @@ def test_tables_start_on_the_meta_device_by_default():
         ({"interaction": "dcnv3"}, "model.interaction = 'dcnv3' is not one of dot, cat, dcn, projection"),
         ({"dense_arch_layer_sizes": [16, 4]}, "model.dense_arch_layer_sizes = [16, 4] must end with embedding_dim = 8"),
         ({"over_arch_layer_sizes": [16, 2]}, "model.over_arch_layer_sizes = [16, 2] needs at least two layers"),
-        ({"num_embeddings_per_feature": [10] * 25}, "has 25 sizes"),
+        ({"num_embeddings_per_feature": [10] * 27}, "has 27 sizes"),
         (
             {"interaction": "projection", "interaction_branch1_layer_sizes": [32, 12]},
             "model.interaction_branch1_layer_sizes[-1] = 12 must be a multiple of embedding_dim = 8",
@@ -94,6 +94,15 @@ def test_bad_model_settings_are_named(kwargs, message):
 
 def test_table_sizes_expand_and_validate():
     assert expand_table_sizes(7, "x") == [7] * 26
+    # Data needs all 26; a benchmark model may have tables for the first features only.
+    with pytest.raises(ValueError, match="has 2 sizes; give 26"):
+        expand_table_sizes([5, 6], "data.num_embeddings_per_feature")
+    assert expand_table_sizes([5, 6], "model.num_embeddings_per_feature", require_all=False) == [5, 6]
+    model = build_dlrm(
+        interaction="cat", embedding_dim=4, num_embeddings_per_feature=[5, 6],
+        dense_arch_layer_sizes=[4], over_arch_layer_sizes=[4, 1],
+    )  # fmt: skip
+    assert [c.feature_names for c in model.sparse_arch.embedding_bag_collection.embedding_bag_configs()] == [["cat_0"], ["cat_1"]]
     with pytest.raises(ValueError, match=r"data.num_embeddings_per_feature\[3\] = 0 must be a positive integer"):
         expand_table_sizes([5, 5, 5, 0] + [5] * 22, "data.num_embeddings_per_feature")
 

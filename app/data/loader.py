@@ -50,8 +50,25 @@ class ResumableBatchLoader(DataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.sampler.epoch, "next_batch": self._next_batch - self.batches_in_flight}
+        return {
+            "epoch": self.sampler.epoch,
+            "next_batch": self._next_batch - self.batches_in_flight,
+            "global_batch_size": self._global_batch_size,
+        }
+
+    @property
+    def _global_batch_size(self) -> int:
+        return self.dataset.batch_size_per_rank * self.dataset.world_size
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        # Positions count global batches, which are the same on any number of processes as long as
+        # batch_size * world_size is (app/data/partition.py): only then is the next batch the right one.
+        saved = state.get("global_batch_size", self._global_batch_size)
+        if saved != self._global_batch_size and state["next_batch"] > 0:
+            raise ValueError(
+                f"data.batch_size = {self.dataset.batch_size_per_rank} on {self.dataset.world_size} processes makes "
+                f"global batches of {self._global_batch_size} rows; the checkpoint stopped mid-epoch with {saved}: "
+                f"set data.batch_size to {saved / self.dataset.world_size:g} to resume at the next unseen batch"
+            )
         self.sampler.set_epoch(state["epoch"])
         self.sampler.resume_at(state["next_batch"])

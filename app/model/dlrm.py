@@ -87,12 +87,12 @@ def build_embedding_bag_collection(
     num_embeddings_per_feature: Sequence[int],
     device: torch.device | str = "meta",
 ) -> EmbeddingBagCollection:
-    """One sum-pooled table per Criteo categorical feature, created on ``device``.
+    """One sum-pooled table per Criteo categorical feature (the first n features for n sizes), on ``device``.
 
     The default "meta" allocates nothing: the strategy's DistributedModelParallel materialises each
     table only on the rank(s) that own its shards.
     """
-    if len(num_embeddings_per_feature) != len(DEFAULT_CAT_NAMES):
+    if not 1 <= len(num_embeddings_per_feature) <= len(DEFAULT_CAT_NAMES):
         raise ValueError(
             f"num_embeddings_per_feature has {len(num_embeddings_per_feature)} sizes; "
             f"Criteo has {len(DEFAULT_CAT_NAMES)} categorical features"

@@ -1,0 +1,46 @@
+"""The app's side of the benchmark: the real LightningModule, TorchRecStrategy and Trainer, on one rank.
+
+The Trainer is built as ``python -m app fit`` builds it (the app's samples/s callback included),
+minus what a benchmark must not time: loggers, checkpoints, the progress bar and validation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+
+from app.bench.data import RandomDataModule
+from app.bench.measure import StepClock, StepClockCallback
+from app.bench.settings import BenchSpec
+from app.callbacks import SamplesPerSecond
+from app.module import DLRMModule
+from app.strategy import TorchRecStrategy
+
+
+def run_app(
+    spec: BenchSpec, model_overrides: dict[str, Any], clock: StepClock, rank: int, device: torch.device
+) -> dict[str, Any]:
+    """Trains ``spec.total_steps`` steps, timed by ``clock``; returns the module and the plan for the report."""
+    module = DLRMModule(**{**spec.model_args(), **model_overrides})
+    trainer = Trainer(
+        accelerator=spec.run.accelerator,
+        devices=spec.run.world_size,
+        strategy=TorchRecStrategy(**spec.strategy),
+        max_steps=spec.total_steps,
+        default_root_dir=spec.run.output_dir,  # the strategy writes the plan it used there
+        max_epochs=-1,
+        precision=spec.run.precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[SamplesPerSecond(), StepClockCallback(clock)],
+    )
+    trainer.fit(module, datamodule=RandomDataModule(spec.data, spec.total_steps, spec.run.seed + rank))
+    if trainer.global_step != spec.total_steps:
+        raise RuntimeError(f"the app trained {trainer.global_step} steps instead of {spec.total_steps}")
+    return {"plan": trainer.strategy.sharding_plan, "module": module}

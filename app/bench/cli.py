@@ -1,0 +1,199 @@
+"""``python -m app.bench``: the app against a plain TorchRec loop, same model, data, optimizers and plan.
+
+Examples::
+
+    python -m app.bench                                   # the torchrec_reference preset (make bench)
+    python -m app.bench --preset gaudi_medium --run.measured_steps 20
+    python -m app.bench --config configs/bench/demo.yaml --data.batch_size_per_rank 2048
+    python -m app.bench --preset torchrec_reference --app_variants '{"pipelined": {"pipeline": "sparse_dist"}}'
+    python -m app.bench --help
+
+``--preset NAME`` stands for ``--config configs/bench/NAME.yaml`` and, like it, is overridden by the
+arguments after it. Prints one JSON line per run (per side and repeat), then one summary line with
+``ratio_app_over_raw``: the median over repeats of the app's median samples/s over the plain loop's.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
+from torch.multiprocessing.spawn import ProcessException
+
+from app.bench.data import RandomData
+from app.bench.launch import run_on_ranks
+from app.bench.measure import step_statistics
+from app.bench.settings import BenchSpec, RunSettings, check_can_run
+from app.module import DLRMModule
+from app.strategy import TorchRecStrategy
+
+PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs" / "bench"
+DEFAULT_PRESET = "torchrec_reference"
+# The memory target: growth of each rank's resident memory over what it must hold.
+MEMORY_TARGET_FACTOR = 1.1
+
+
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="python -m app.bench", description=__doc__)
+    parser.add_argument("--config", action=ActionConfigFile, help="a YAML file of the settings below")
+    parser.add_argument("--preset", type=str, help=f"a named config in configs/bench/ (default: {DEFAULT_PRESET})")
+    parser.add_argument("--name", type=str, default="custom", help="the benchmark's name in the output")
+    parser.add_class_arguments(RunSettings, "run")
+    parser.add_class_arguments(RandomData, "data")
+    # Table sizes come from data.rows_per_table; everything else is the app's model, as in `python -m app`.
+    parser.add_class_arguments(DLRMModule, "model", skip={"num_embeddings_per_feature"})
+    parser.add_class_arguments(TorchRecStrategy, "strategy")
+    parser.add_argument(
+        "--app_variants", type=dict[str, dict[str, Any]], default={},
+        help="more runs of the app, by name, each with model settings of its own (e.g. model.pipeline); "
+        "each gets a ratio over the plain loop",
+    )  # fmt: skip
+    return parser
+
+
+def expand_presets(args: list[str]) -> list[str]:
+    """``--preset NAME`` becomes ``--config configs/bench/NAME.yaml``; no preset and no config: the default one."""
+    expanded, i = [], 0
+    while i < len(args):
+        if args[i] == "--preset" or args[i].startswith("--preset="):
+            name = args[i].split("=", 1)[1] if "=" in args[i] else (args[i + 1] if i + 1 < len(args) else "")
+            i += 1 if "=" in args[i] else 2
+            path = PRESETS_DIR / f"{name}.yaml"
+            if not path.is_file():
+                known = ", ".join(sorted(p.stem for p in PRESETS_DIR.glob("*.yaml")))
+                raise ValueError(f"--preset {name!r}: no {path}; presets: {known}")
+            expanded += ["--config", str(path)]
+        else:
+            expanded.append(args[i])
+            i += 1
+    if not any(a == "--config" or a.startswith("--config=") for a in expanded) and not {"-h", "--help"} & set(expanded):
+        expanded = ["--config", str(PRESETS_DIR / f"{DEFAULT_PRESET}.yaml"), *expanded]
+    return expanded
+
+
+def spec_from(config: Namespace) -> BenchSpec:
+    return BenchSpec(
+        name=config.name,
+        run=RunSettings(**config.run.as_dict()),
+        data=RandomData(**config.data.as_dict()),
+        model=config.model.as_dict(),
+        strategy=config.strategy.as_dict(),
+        app_variants=dict(config.app_variants or {}),
+    )
+
+
+def main(args: list[str] | None = None) -> list[dict[str, Any]]:
+    """Runs the benchmark; prints and returns the JSON lines."""
+    try:
+        parser = build_parser()
+        config = parser.parse_args(expand_presets(sys.argv[1:] if args is None else args))
+        spec = spec_from(config)
+        check_can_run(spec)  # before any process starts
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    lines = []
+    runs = _runs(spec)
+    for repeat in range(spec.run.repeats):
+        # Alternate which side goes first, so that drift in a shared machine's load hits both alike.
+        for label, side, overrides in runs if repeat % 2 == 0 else runs[::-1]:
+            try:
+                ranks = run_on_ranks(spec, side, overrides, f"{label}_repeat{repeat}")
+            except ProcessException as error:  # a rank raised, or was killed (e.g. out of memory)
+                print(f"error: the {label} run failed on a rank:\n{error}", file=sys.stderr)
+                raise SystemExit(1) from None
+            lines.append(_emit(run_line(spec, label, repeat, ranks, overrides)))
+    lines.append(_emit(summary_line(spec, lines)))
+    return lines
+
+
+def _runs(spec: BenchSpec) -> list[tuple[str, str, dict[str, Any]]]:
+    runs = [(side, side, {}) for side in spec.run.sides]
+    if "app" in spec.run.sides:
+        runs += [(label, "app", overrides) for label, overrides in spec.app_variants.items()]
+    return runs
+
+
+def _emit(line: dict[str, Any]) -> dict[str, Any]:
+    print(json.dumps(line), flush=True)
+    return line
+
+
+def run_line(spec: BenchSpec, label: str, repeat: int, ranks: list[dict[str, Any]], overrides: dict[str, Any]) -> dict:
+    """One run's JSON line: rank 0's step statistics, every rank's memory, and what produced them."""
+    global_batch = spec.data.batch_size_per_rank * spec.run.world_size
+    memory = [
+        {"rank": r, **rank["memory"], "growth_over_expected": rank["memory"]["rss_growth_bytes"] / rank["memory"]["expected_bytes"]}
+        for r, rank in enumerate(ranks)
+    ]
+    return {
+        "bench": spec.name,
+        "run": label,
+        "repeat": repeat,
+        **step_statistics(ranks[0]["step_times_s"], global_batch),
+        "world_size": spec.run.world_size,
+        "global_batch_size": global_batch,
+        "warmup_steps": spec.run.warmup_steps,
+        "measured_steps": spec.run.measured_steps,
+        "threads_per_rank": [rank["threads"] for rank in ranks],
+        "peak_memory_per_rank": memory,
+        "plan": ranks[0]["plan"],
+        **({"phases_ms_per_step_rank0": ranks[0]["phases_ms_per_step"]} if ranks[0]["phases_ms_per_step"] else {}),
+        "device": device_description(spec),
+        "versions": library_versions(),
+        "config": {
+            "run": vars(spec.run), "data": vars(spec.data), "model": {**spec.model, **overrides}, "strategy": spec.strategy,
+        },
+    }  # fmt: skip
+
+
+def summary_line(spec: BenchSpec, lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ratios of each app run over the plain loop (median over repeats of per-repeat ratios)."""
+    by_run: dict[str, list[float]] = {}
+    for line in lines:
+        by_run.setdefault(line["run"], []).append(line["samples_per_s_median"])
+    summary: dict[str, Any] = {"bench": spec.name, "summary": True}
+    summary.update({f"{run}_samples_per_s_median": statistics.median(rates) for run, rates in by_run.items()})
+    for baseline in ("raw", "raw_base"):
+        for run, rates in by_run.items():
+            if baseline in by_run and not run.startswith("raw"):
+                per_repeat = [a / r for a, r in zip(rates, by_run[baseline])]
+                key = f"ratio_{run}_over_{baseline}"
+                summary[key] = statistics.median(per_repeat)
+                summary[f"{key}_per_repeat"] = per_repeat
+    summary["same_plan"] = len({line["plan"] for line in lines}) == 1
+    # The target is the app's: no rank grows by more than 1.1x what it must hold (tables never duplicated).
+    growth = {
+        run: max(rank["growth_over_expected"] for line in lines if line["run"] == run for rank in line["peak_memory_per_rank"])
+        for run in by_run
+    }
+    summary["memory_growth_over_expected_max"] = growth
+    summary["memory_target_factor"] = MEMORY_TARGET_FACTOR
+    summary["memory_target_holds"] = all(g <= MEMORY_TARGET_FACTOR for run, g in growth.items() if not run.startswith("raw"))
+    return summary
+
+
+def device_description(spec: BenchSpec) -> str:
+    if spec.device_type == "cuda":
+        return f"{spec.run.world_size} x {torch.cuda.get_device_name(0)}"
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())  # fmt: skip
+    return f"cpu: {len(os.sched_getaffinity(0))} cores of {model}"
+
+
+def library_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for package in ("torch", "torchrec", "fbgemm-gpu", "fbgemm-gpu-cpu", "lightning", "jsonargparse"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions

@@ -1,0 +1,99 @@
+"""Starts one benchmark run: ``world_size`` fresh processes on this machine, set up the way torchrun sets
+up its workers (MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE), for either side.
+
+Both sides start the same way, so neither gets a start-up or thread-setting advantage. A rank that
+fails ends the others (torch.multiprocessing terminates them) and its error reaches the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+from app.bench.measure import StepClock, expected_memory_bytes, peak_memory
+from app.bench.phases import StepProfiler
+from app.bench.settings import BenchSpec
+from app.model.dlrm import table_name
+from app.sharding import format_plan
+
+TABLE_PREFIX = "model.sparse_arch."  # where both sides' models keep their tables
+
+
+def run_on_ranks(spec: BenchSpec, side: str, model_overrides: dict[str, Any], label: str) -> list[dict[str, Any]]:
+    """Runs one side on ``spec.run.world_size`` processes; returns each rank's report. ``label`` names
+    the run's profiler trace."""
+    with tempfile.TemporaryDirectory(prefix="bench_") as out_dir:
+        mp.start_processes(
+            _worker,
+            args=(spec, side, model_overrides, label, _free_port(), out_dir),
+            nprocs=spec.run.world_size,
+            start_method="spawn",
+        )
+        return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(spec.run.world_size)]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(
+    rank: int, spec: BenchSpec, side: str, model_overrides: dict[str, Any], label: str, port: int, out_dir: str
+) -> None:
+    world_size = str(spec.run.world_size)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
+        WORLD_SIZE=world_size, LOCAL_WORLD_SIZE=world_size,
+    )  # fmt: skip
+    device = torch.device("cpu") if spec.device_type == "cpu" else torch.device("cuda", rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.manual_seed(spec.run.seed)
+    run = spec.run
+    profiler = None
+    if run.profile_steps and rank == 0:
+        profiler = StepProfiler(Path(run.output_dir) / f"{spec.name}_{label}_rank0.trace.json")
+    clock = StepClock(run.warmup_steps, run.measured_steps, device, profiler, run.profile_steps)
+    # Imported here: each side pays only for its own libraries.
+    if side in ("raw", "raw_base"):
+        from app.bench.raw_side import run_raw
+
+        result = run_raw(spec, clock, rank, device, overlap=side == "raw")
+    else:
+        from app.bench.app_side import run_app
+
+        result = run_app(spec, model_overrides, clock, rank, device)
+    report = _rank_report(spec, rank, device, clock, result)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def _rank_report(spec: BenchSpec, rank: int, device: torch.device, clock: StepClock, result: dict[str, Any]) -> dict:
+    model = spec.model_args()
+    rows = model["num_embeddings_per_feature"]
+    table_shapes = {table_name(feature): (r, model["embedding_dim"]) for feature, r in zip(DEFAULT_CAT_NAMES, rows)}
+    dense_parameters = sum(
+        p.numel() for name, p in in_backward_optimizer_filter(result["module"].named_parameters())
+        if not name.startswith(TABLE_PREFIX)
+    )  # fmt: skip
+    data = spec.data
+    batch_bytes = data.batch_size_per_rank * (13 * 4 + 4 + 8 + 8 * sum(data.pooling_factors()) + 4 * data.num_tables)
+    expected = expected_memory_bytes(
+        result["plan"], rank, table_shapes, model["sparse_optimizer"], dense_parameters, model["dense_optimizer"], batch_bytes
+    )
+    return {
+        "step_times_s": clock.step_times_s(),
+        "phases_ms_per_step": clock.phases_ms,
+        "memory": {**peak_memory(device, clock.rss_at_setup_bytes), "expected_bytes": expected},
+        "threads": torch.get_num_threads(),
+        "plan": format_plan(result["plan"]),
+    }

@@ -1,0 +1,132 @@
+"""What a benchmark run measures on each rank: step end times, memory, and the memory it should need.
+
+Step times are the intervals between the ends of consecutive steps, so they include everything a
+step costs: fetching the batch, the input all-to-all, forward, backward, the optimizer and, on the
+app's side, what Lightning adds around them. On GPUs the clock is synchronised with the device at
+the start and end of the measured steps only, so that per-step syncs do not break a pipeline's overlap.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torchrec.distributed.types import ShardingPlan
+
+from app.bench.phases import StepProfiler
+
+# Optimizer state per table element, as a multiple of the table itself (row-wise Adagrad keeps one
+# value per row, counted separately).
+_STATE_PER_ELEMENT = {"adagrad": 1, "adam": 2, "sgd": 0, "row_wise_adagrad": 0}
+_FLOAT32_BYTES = 4
+
+
+class StepClock:
+    """Records when each step ends: ``warmup_steps``, then the measured steps, then (with a profiler)
+    ``profile_steps`` more under the profiler, so that profiling never slows the measured steps."""
+
+    def __init__(
+        self, warmup_steps: int, measured_steps: int, device: torch.device,
+        profiler: StepProfiler | None = None, profile_steps: int = 0,
+    ) -> None:  # fmt: skip
+        self.warmup_steps, self.measured_steps, self.device = warmup_steps, measured_steps, device
+        self.profiler, self.profile_steps = profiler, profile_steps
+        self.step_end_s: list[float] = []
+        self.rss_at_setup_bytes = 0
+        self.phases_ms: dict[str, float] | None = None
+
+    def mark_setup(self) -> None:
+        """Call once the process group exists and before the model is built: memory grows from here."""
+        self.rss_at_setup_bytes = rss_bytes()
+
+    def step_ended(self) -> None:
+        ended = len(self.step_end_s) + 1
+        measured_end = self.warmup_steps + self.measured_steps
+        if self.device.type == "cuda" and ended in (self.warmup_steps, measured_end):
+            torch.cuda.synchronize(self.device)
+        self.step_end_s.append(time.perf_counter())
+        if self.profiler is not None and ended == measured_end:
+            self.profiler.start()
+        if self.profiler is not None and ended == measured_end + self.profile_steps:
+            wall_ms = (self.step_end_s[-1] - self.step_end_s[measured_end - 1]) * 1e3
+            self.phases_ms = self.profiler.stop(wall_ms, self.profile_steps)
+
+    def step_times_s(self) -> list[float]:
+        """Durations of the measured steps: the first measured step starts when the last warm-up step ends."""
+        ends = self.step_end_s[self.warmup_steps - 1 : self.warmup_steps + self.measured_steps]
+        return [later - earlier for earlier, later in zip(ends, ends[1:])]
+
+
+class StepClockCallback(Callback):
+    """A StepClock driven by Lightning's batch-end hook (the app's side)."""
+
+    def __init__(self, clock: StepClock) -> None:
+        self.clock = clock
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.clock.mark_setup()  # Lightning calls this after the process group starts, before sharding
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.clock.step_ended()
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def peak_memory(device: torch.device, rss_at_setup_bytes: int) -> dict[str, int]:
+    """Peak resident memory of this process (and peak device memory on GPUs), and its growth from the
+    moment the process group existed and the model was not built yet: what the model and training take."""
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    memory = {"peak_rss_bytes": peak_rss, "rss_growth_bytes": peak_rss - rss_at_setup_bytes}
+    if device.type == "cuda":
+        memory["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+    return memory
+
+
+def expected_memory_bytes(
+    plan: ShardingPlan, rank: int, table_shapes: dict[str, tuple[int, int]], sparse_optimizer: str,
+    dense_parameters: int, dense_optimizer: str, batch_bytes: int,
+) -> int:
+    """What rank ``rank`` must hold: its table shards and their optimizer state (a full copy of a
+    replicated table, with its gradient), the dense model with its gradients, DDP's gradient buckets
+    and optimizer state, and a few batches."""
+    table_elements = row_count = 0
+    for module_plan in plan.plan.values():
+        for table, sharding in module_plan.items():  # type: ignore[union-attr]
+            rows, cols = table_shapes[table]
+            if sharding.sharding_spec is None:  # replicated on every rank, with its gradient
+                table_elements += 2 * rows * cols
+                row_count += rows
+                continue
+            for shard in sharding.sharding_spec.shards:
+                if shard.placement.rank() == rank:
+                    rows, cols = shard.shard_sizes
+                    table_elements += rows * cols
+                    row_count += rows
+    table_bytes = table_elements * _FLOAT32_BYTES * (1 + _STATE_PER_ELEMENT[sparse_optimizer])
+    if sparse_optimizer == "row_wise_adagrad":
+        table_bytes += row_count * _FLOAT32_BYTES
+    dense_bytes = dense_parameters * _FLOAT32_BYTES * (3 + _STATE_PER_ELEMENT[dense_optimizer])
+    return table_bytes + dense_bytes + 3 * batch_bytes
+
+
+def step_statistics(step_times_s: list[float], global_batch_size: int) -> dict[str, float]:
+    """Samples/s (median and mean over measured steps) and step-time percentiles in ms."""
+    if not step_times_s:
+        raise ValueError("no measured steps: run.measured_steps must be at least 1")
+    rates = [global_batch_size / t for t in step_times_s]
+    quantiles = statistics.quantiles(step_times_s, n=100, method="inclusive") if len(step_times_s) > 1 else [step_times_s[0]] * 99
+    return {
+        "samples_per_s_median": statistics.median(rates),
+        "samples_per_s_mean": global_batch_size * len(step_times_s) / sum(step_times_s),
+        "step_ms_p50": quantiles[49] * 1e3,
+        "step_ms_p90": quantiles[89] * 1e3,
+        "step_ms_p99": quantiles[98] * 1e3,
+    }

@@ -1,0 +1,96 @@
+"""The baseline: a plain TorchRec training loop on one rank, no Lightning, the way TorchRec's own DLRM
+trainers are written (torchrec ``examples/golden_training/train_dlrm.py``, facebookresearch/dlrm
+``torchrec_dlrm/dlrm_main.py``): tables on the meta device with their optimizer fused into backward,
+``DistributedModelParallel`` with a planned sharding, a keyed dense optimizer combined with the fused
+one, and ``TrainPipelineSparseDist.progress`` in a loop, overlapping the next batch's input
+all-to-all with this batch's compute.
+
+It uses the app's model builder, optimizer choices and planner inputs, so that the two sides train
+the same model with the same optimizers under the same plan; none of those involve Lightning.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed import TrainPipelineBase, TrainPipelineSparseDist
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import ShardingEnv
+from torchrec.models.dlrm import DLRMTrain
+from torchrec.optim.keyed import CombinedOptimizer
+
+from app.bench.data import random_loader
+from app.bench.measure import StepClock
+from app.bench.settings import BenchSpec
+from app.model.dlrm import build_dlrm
+from app.optimizers import build_optimizer, fuse_sparse_optimizer
+from app.sharding import build_constraints, default_sharders, embedding_table_names, plan_sharding
+from app.threads import set_worker_threads
+
+_MODEL_KEYS = (
+    "interaction", "embedding_dim", "num_embeddings_per_feature", "dense_arch_layer_sizes", "over_arch_layer_sizes",
+    "dcn_num_layers", "dcn_low_rank_dim", "interaction_branch1_layer_sizes", "interaction_branch2_layer_sizes",
+)  # fmt: skip
+
+
+def run_raw(spec: BenchSpec, clock: StepClock, rank: int, device: torch.device, overlap: bool = True) -> dict[str, Any]:
+    """Trains ``spec.total_steps`` steps, timed by ``clock``; returns the model and the plan for the report.
+
+    ``overlap=False`` drives the same loop with TorchRec's ``TrainPipelineBase`` (copy, forward,
+    backward, step; nothing overlapped), which separates what the overlap gains from what Lightning costs.
+    """
+    model_args, strategy = spec.model_args(), spec.strategy
+    backend = "gloo" if device.type == "cpu" else "nccl"
+    dist.init_process_group(backend, timeout=timedelta(seconds=strategy.get("timeout_s", 1800.0)))
+    # As many threads as the app gives its workers, so that the two sides compare like with like.
+    set_worker_threads(spec.run.world_size, strategy.get("num_threads_per_process"), os.environ.get("OMP_NUM_THREADS"))
+    clock.mark_setup()
+
+    dlrm = build_dlrm(**{key: model_args[key] for key in _MODEL_KEYS}, embedding_device="meta")
+    fuse_sparse_optimizer(dlrm.sparse_arch.parameters(), model_args["sparse_optimizer"], model_args["sparse_learning_rate"])
+    train_model = DLRMTrain(dlrm)  # returns (loss, outputs), the interface the pipeline drives
+    sharders = default_sharders()
+    plan = plan_sharding(
+        train_model,
+        world_size=spec.run.world_size,
+        local_world_size=spec.run.world_size,
+        device=device,
+        sharders=sharders,
+        constraints=build_constraints(
+            embedding_table_names(train_model), strategy.get("sharding_types"), strategy.get("table_constraints") or {}
+        ),
+        hbm_cap_bytes=strategy.get("hbm_cap_bytes") or _device_memory_bytes(device),
+        ddr_cap_bytes=strategy.get("ddr_cap_bytes"),
+        batch_size_per_rank=None,
+        process_group=dist.group.WORLD,
+    )
+    model = DistributedModelParallel(
+        train_model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device, plan=plan, sharders=sharders
+    )
+    dense_optimizer = build_optimizer(
+        train_model,
+        table_prefix="model.sparse_arch.",
+        sparse_optimizer=model_args["sparse_optimizer"],
+        sparse_learning_rate=model_args["sparse_learning_rate"],
+        dense_optimizer=model_args["dense_optimizer"],
+        dense_learning_rate=model_args["dense_learning_rate"],
+    )
+    optimizer = CombinedOptimizer([("sparse", model.fused_optimizer), ("dense", dense_optimizer)])
+    pipeline_class = TrainPipelineSparseDist if overlap else TrainPipelineBase
+    pipeline = pipeline_class(model, optimizer, device)
+
+    batches = iter(random_loader(spec.data, spec.total_steps, spec.run.seed + rank))
+    for step in range(spec.total_steps):
+        pipeline.progress(batches)
+        clock.step_ended()
+    dist.destroy_process_group()
+    return {"plan": plan, "module": train_model}
+
+
+def _device_memory_bytes(device: torch.device) -> int | None:
+    # What TorchRecStrategy gives the planner, so that both sides plan with the same topology.
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None

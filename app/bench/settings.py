@@ -1,0 +1,116 @@
+"""What a benchmark runs, and the checks that refuse a configuration before any process starts."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from app.bench.data import RandomData
+from app.model.dlrm import build_embedding_bag_collection, validate_dlrm_sizes
+from app.optimizers import fuse_sparse_optimizer
+from app.sharding import TableConstraint, validate_fused_optimizer, validate_sharding_request
+
+Side = Literal["app", "raw", "raw_base"]
+
+# Optimizer state the fused embedding optimizers keep per table element (row-wise Adagrad: per row).
+_STATE_PER_ELEMENT = {"adagrad": 1.0, "adam": 2.0, "sgd": 0.0, "row_wise_adagrad": 0.0}
+
+
+@dataclass
+class RunSettings:
+    """How the benchmark runs.
+
+    Args:
+        world_size: processes (one per GPU with ``accelerator: gpu``), all on this machine.
+        accelerator: ``cpu`` (gloo) or ``gpu`` (nccl).
+        precision: the app's ``trainer.precision`` (``32-true`` or ``bf16-mixed``); the plain loop trains in float32.
+        warmup_steps: steps trained before the clock starts (start-up, first-touch memory, allocator warm-up).
+        measured_steps: steps whose times are reported.
+        repeats: app/raw pairs, run one after the other, alternating which side goes first.
+        sides: which sides run: ``app``; ``raw``, the plain TorchRec loop around TrainPipelineSparseDist
+            (the baseline of ``ratio_app_over_raw``); ``raw_base``, the same loop around TorchRec's
+            TrainPipelineBase, which overlaps nothing (gives ``ratio_app_over_raw_base``).
+        seed: seed of the model initialisation and of the random data (plus the rank).
+        profile_steps: after the measured steps, this many more under the PyTorch profiler on rank 0:
+            a trace per run in ``output_dir`` (TensorBoard/Perfetto) and a table of ms per step and phase.
+        output_dir: where profiler traces and the app's record of its sharding plan go.
+    """
+
+    world_size: int = 2
+    accelerator: Literal["cpu", "gpu"] = "cpu"
+    precision: str = "32-true"
+    warmup_steps: int = 20
+    measured_steps: int = 100
+    repeats: int = 1
+    sides: list[Side] = field(default_factory=lambda: ["app", "raw"])
+    seed: int = 0
+    profile_steps: int = 0
+    output_dir: str = "runs/bench"
+
+
+@dataclass
+class BenchSpec:
+    """Everything one run needs, passed to every worker process."""
+
+    name: str
+    run: RunSettings
+    data: RandomData
+    model: dict[str, Any]
+    strategy: dict[str, Any]
+    app_variants: dict[str, dict[str, Any]]
+
+    @property
+    def total_steps(self) -> int:
+        return self.run.warmup_steps + self.run.measured_steps + self.run.profile_steps
+
+    @property
+    def device_type(self) -> str:
+        return "cpu" if self.run.accelerator == "cpu" else "cuda"
+
+    def model_args(self) -> dict[str, Any]:
+        """DLRMModule's arguments, table sizes from the data settings."""
+        return {**self.model, "num_embeddings_per_feature": self.data.table_rows()}
+
+
+def check_can_run(spec: BenchSpec) -> None:
+    """Raises a ValueError naming the setting for a configuration that cannot run here."""
+    run = spec.run
+    for name in ("world_size", "warmup_steps", "measured_steps", "repeats"):
+        if getattr(run, name) < 1:
+            raise ValueError(f"run.{name} = {getattr(run, name)} must be at least 1")
+    if run.accelerator == "gpu" and torch.cuda.device_count() < run.world_size:
+        raise ValueError(f"run.accelerator = gpu with run.world_size = {run.world_size}: {torch.cuda.device_count()} GPUs visible")
+    rows = spec.data.table_rows()
+    spec.data.pooling_factors()  # raises for a malformed data.ids_per_lookup
+    model = spec.model_args()
+    validate_dlrm_sizes(model["interaction"], model["embedding_dim"], model["dense_arch_layer_sizes"], model["over_arch_layer_sizes"])
+    constraints = {name: TableConstraint(**c) if isinstance(c, dict) else c for name, c in (spec.strategy.get("table_constraints") or {}).items()}
+    validate_sharding_request(spec.strategy.get("sharding_types"), constraints, spec.device_type)
+    tables = build_embedding_bag_collection(model["embedding_dim"], rows, "meta")
+    fuse_sparse_optimizer(tables.parameters(), model["sparse_optimizer"], model["sparse_learning_rate"])
+    validate_fused_optimizer(tables, spec.device_type)
+    _check_tables_fit(spec, rows, model["embedding_dim"], model["sparse_optimizer"])
+    for label, overrides in spec.app_variants.items():
+        for key in overrides:
+            if key not in spec.model:
+                raise ValueError(f"app_variants.{label}.{key} is not a model setting; model settings: {', '.join(spec.model)}")
+
+
+def _check_tables_fit(spec: BenchSpec, rows: list[int], embedding_dim: int, sparse_optimizer: str) -> None:
+    """Tables and their optimizer state must fit in this machine's memory (GPUs: in theirs, together)."""
+    bytes_per_element = 4 * (1 + _STATE_PER_ELEMENT[sparse_optimizer])
+    needed = sum(rows) * embedding_dim * bytes_per_element
+    if spec.device_type == "cuda":
+        available = sum(torch.cuda.get_device_properties(i).total_memory for i in range(spec.run.world_size))
+        where = f"{spec.run.world_size} GPUs"
+    else:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        where = "available host memory"
+    if needed > available:
+        raise ValueError(
+            f"data.rows_per_table = {spec.data.rows_per_table}: the tables with their {sparse_optimizer} state need "
+            f"{needed / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of {where}"
+        )

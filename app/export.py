@@ -1,0 +1,149 @@
+"""``python -m app export``: one unsharded model file from a sharded checkpoint, and loading it back.
+
+The file is a plain ``torch.save`` dictionary that ``torch.load(path, weights_only=True)`` reads in one
+process without TorchRec's distributed machinery::
+
+    {"format": "app.export/1",
+     "pytorch-lightning_version": "2.6.6",
+     "hyper_parameters": {...},          # DLRMModule's __init__ arguments (plain data)
+     "state_dict": {name: tensor, ...}}  # DLRMModule.state_dict() keys, every table whole
+
+Example::
+
+    python -m app export --ckpt_path runs/demo/checkpoints/last.ckpt --output model.pt
+    python -m app predict --config configs/demo.yaml --ckpt_path model.pt
+
+Export runs in a single process and holds the whole model once (what an unsharded file is). It reads
+only the model's tensors from the checkpoint, not the optimizer state. TorchRec's own
+``dcp_to_torch_save`` would do the reading too, but it loads everything in the checkpoint, optimizer
+state included, with nested keys this file does not want.
+
+When ``predict`` (or ``validate``/``test``) is given an exported file, the hyper-parameters in it set
+the model (LightningCLI reads them from a checkpoint file) and each rank copies only the rows and
+columns of its own shards out of the memory-mapped file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning
+import torch
+import torch.distributed.checkpoint as dcp
+from jsonargparse import CLI
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from app.checkpoint import SafeFileSystemReader
+from app.checkpoint import read as read_checkpoint
+
+EXPORT_FORMAT = "app.export/1"
+_MODEL_PREFIX = "state_dict."
+
+
+def read_model_tensors(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every model tensor of a sharded checkpoint, assembled whole in this process (no process group)."""
+    metadata = SafeFileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata
+    tensors = {
+        key: torch.empty(md.size, dtype=md.properties.dtype)
+        for key, md in metadata.items()
+        if key.startswith(_MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(tensors, storage_reader=SafeFileSystemReader(checkpoint_dir), no_dist=True)
+    return {key[len(_MODEL_PREFIX) :]: value for key, value in tensors.items()}
+
+
+def plain_hyper_parameters(hyper_parameters: dict[str, Any], source: Path) -> dict[str, Any]:
+    """The hyper-parameters as JSON-like data (what ``weights_only`` loading accepts)."""
+    try:
+        return json.loads(json.dumps(dict(hyper_parameters)))
+    except TypeError as error:
+        raise ValueError(f"{source}: hyper-parameters that are not plain data: {error}") from None
+
+
+def export_checkpoint(ckpt_path: str, output: str = "model.pt") -> Path:
+    """Writes one unsharded model file (plain tensors plus the model's hyper-parameters).
+
+    Args:
+        ckpt_path: a sharded checkpoint folder written by ``python -m app fit`` (e.g.
+            ``runs/demo/checkpoints/last.ckpt``).
+        output: the file to write; replaced atomically if it exists.
+    """
+    source = Path(ckpt_path).expanduser()
+    info = read_checkpoint(source)  # complete, readable, plain-data metadata; a ValueError naming the path if not
+    hyper_parameters = info.meta.get("hyper_parameters") or {}
+    state_dict = read_model_tensors(info.path)
+    exported = {
+        "format": EXPORT_FORMAT,
+        # Lightning reads it from anything given as --ckpt_path (checkpoint migration).
+        "pytorch-lightning_version": lightning.__version__,
+        "hyper_parameters": plain_hyper_parameters(hyper_parameters, source),
+        "state_dict": state_dict,
+    }
+    target = Path(output).expanduser()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    torch.save(exported, partial)
+    os.replace(partial, target)  # never a half-written model file under the final name
+    print(f"exported {len(state_dict)} tensors from {source} to {target}")
+    return target
+
+
+def is_exported_model(path: str | Path) -> bool:
+    """Whether ``path`` is a file (an exported model) rather than a sharded checkpoint folder."""
+    return Path(path).is_file()
+
+
+def load_exported_into(path: str | Path, module: nn.Module) -> dict[str, Any]:
+    """Copies an exported model's weights into ``module``, whatever its sharding; returns the file's content
+    without the tensors.
+
+    The file is memory-mapped, so a rank reads only the rows and columns of the shards it holds.
+    """
+    path = Path(path)
+    try:
+        exported = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # a truncated file, or not a torch file at all
+        raise ValueError(f"{path} is neither a sharded checkpoint folder nor a model file from `python -m app export`: {error}") from None
+    if not isinstance(exported, dict) or exported.get("format") != EXPORT_FORMAT:
+        raise ValueError(f"{path} is not a model file from `python -m app export` (no format {EXPORT_FORMAT!r})")
+    saved = exported["state_dict"]
+    target = module.state_dict()
+    missing = sorted(set(target) - set(saved))
+    if missing:
+        raise ValueError(f"{path} does not hold {missing[:3]}{' ...' if len(missing) > 3 else ''}: a different model")
+    with torch.no_grad():
+        for key, value in target.items():
+            _copy_held_part(value, saved[key], f"{path}: {key}")
+    module.load_state_dict(target)
+    return {k: v for k, v in exported.items() if k != "state_dict"}
+
+
+def _copy_held_part(target: torch.Tensor, full: torch.Tensor, where: str) -> None:
+    if tuple(target.size()) != tuple(full.size()):
+        raise ValueError(f"{where} has shape {tuple(full.size())}; this model's is {tuple(target.size())}")
+    if not isinstance(target, ShardedTensor):
+        target.copy_(full)
+        return
+    for shard in target.local_shards():
+        index = tuple(slice(o, o + n) for o, n in zip(shard.metadata.shard_offsets, shard.metadata.shard_sizes))
+        shard.tensor.copy_(full[index])
+
+
+def main(args: list[str] | None = None) -> None:
+    """``python -m app export --ckpt_path CKPT --output model.pt`` (``--help``, ``--config``)."""
+    try:
+        CLI(export_checkpoint, args=args, as_positional=False, prog="python -m app export")
+    except (ValueError, OSError) as error:  # a user's bad path: one line, as `python -m app` shows it
+        if os.environ.get("APP_TRACEBACK"):
+            raise
+        print(f"error: {error}\n(set APP_TRACEBACK=1 to see the traceback)", file=sys.stderr)
+        raise SystemExit(2) from None

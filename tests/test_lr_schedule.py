@@ -1,0 +1,80 @@
+"""The MLPerf DLRMv2 learning-rate schedule reaches the dense and the fused embedding optimizer, step by step."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from app.lr_schedule import LRSchedule
+from multiprocess import run_on_ranks
+from test_sharding import fit_args
+
+SCHEDULE = {"lr_warmup_steps": 3, "lr_decay_start": 5, "lr_decay_steps": 4, "lr_decay_power": 2.0, "lr_decay_end_factor": 0.1}
+# Factor of the base rate for the step after k completed steps, k = 0 .. 10, worked out by hand.
+EXPECTED_FACTORS = [1 / 3, 2 / 3, 1.0, 1.0, 1.0, 1.0, (3 / 4) ** 2, (2 / 4) ** 2, 0.1, 0.1, 0.1]
+DENSE_LR, SPARSE_LR = 0.1, 0.2
+NUM_STEPS = 10
+
+
+def float32(value: float) -> float:
+    return torch.tensor(value, dtype=torch.float32).item()
+
+
+def test_schedule_factors():
+    schedule = LRSchedule(3, 5, 4, 2.0, 0.1)
+    assert [schedule.factor(k) for k in range(11)] == EXPECTED_FACTORS
+    assert LRSchedule().is_constant and LRSchedule().factor(123) == 1.0
+    with pytest.raises(ValueError, match="model.lr_decay_start = 2 is inside the warm-up"):
+        LRSchedule(warmup_steps=3, decay_start=2, decay_steps=4)
+
+
+def fbgemm_kernels(optimizer) -> list:
+    """The FBGEMM embedding modules under TorchRec's (nested) combined fused optimizer."""
+    if hasattr(optimizer, "optimizers"):
+        return [kernel for _, child in optimizer.optimizers for kernel in fbgemm_kernels(child)]
+    return [optimizer._emb_module]
+
+
+def learning_rates(cli) -> dict:
+    """The rates held by the real optimizer objects after training."""
+    parts = dict(cli.trainer.optimizers[0].optimizers)
+    embedding_kernels = fbgemm_kernels(parts["sparse"])
+    return {
+        "global_step": cli.trainer.global_step,
+        "dense_group_lrs": [g["lr"] for g in parts["dense"].param_groups],
+        "sparse_group_lrs": [g["lr"] for g in parts["sparse"].param_groups],
+        "kernel_lrs": [kernel.get_learning_rate() for kernel in embedding_kernels],
+    }
+
+
+def test_schedule_drives_both_optimizers_and_is_logged(sample, tmp_path):
+    args = fit_args(sample, tmp_path, "table_wise", 64)
+    args[args.index("--model.dense_learning_rate") + 1] = str(DENSE_LR)
+    args[args.index("--trainer.logger") + 1] = "lightning.pytorch.loggers.CSVLogger"
+    args += ["--trainer.logger.init_args.save_dir", str(tmp_path), "--trainer.logger.init_args.name", "logs"]
+    args += ["--trainer.log_every_n_steps", "1", "--trainer.max_steps", str(NUM_STEPS), "--trainer.limit_val_batches", "0"]
+    args += ["--model.sparse_learning_rate", str(SPARSE_LR)]
+    args += [item for key, value in SCHEDULE.items() for item in (f"--model.{key}", str(value))]
+    ranks = run_on_ranks(2, args, tmp_path, learning_rates)
+
+    for rank in ranks:
+        assert rank["global_step"] == NUM_STEPS
+        # The scheduler has advanced past the last step: the groups hold the next step's rate ...
+        assert set(rank["dense_group_lrs"]) == {DENSE_LR * EXPECTED_FACTORS[NUM_STEPS]}
+        # The fused optimizer's base rate is the one FBGEMM holds, in float32.
+        sparse_base = float32(SPARSE_LR)
+        assert set(rank["sparse_group_lrs"]) == {sparse_base * EXPECTED_FACTORS[NUM_STEPS]}
+        # ... while the FBGEMM kernels still hold the rate the last step's backward updated the tables with.
+        assert rank["kernel_lrs"] and set(rank["kernel_lrs"]) == {float32(sparse_base * EXPECTED_FACTORS[NUM_STEPS - 1])}
+
+    (metrics_file,) = tmp_path.glob("logs/version_*/metrics.csv")
+    with metrics_file.open() as f:
+        rows = [row for row in csv.DictReader(f) if row.get("train/lr")]
+    logged = {int(row["step"]): (float(row["train/lr"]), float(row["train/lr_embedding"])) for row in rows}
+    # Logged values pass through float32 tensors.
+    assert logged == {
+        k: (pytest.approx(DENSE_LR * EXPECTED_FACTORS[k], rel=1e-6), pytest.approx(SPARSE_LR * EXPECTED_FACTORS[k], rel=1e-6))
+        for k in range(NUM_STEPS)
+    }

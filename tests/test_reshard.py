@@ -1,0 +1,137 @@
+"""Checkpoints load under another world size and another sharding plan (app/reshard.py).
+
+One 2-process writer run (tests/reshard_runs.py: t_cat_0 data-parallel, t_cat_1 split into two
+column shards, the rest table-wise) leaves a mid-epoch and a final checkpoint; readers on 1, 2 and
+3 processes under other plans reuse them:
+
+    writer, 2 ranks, step 8  -> fit on 1 rank (2->1; t_cat_0 DP -> TW, t_cat_2 TW -> DP, both column
+                                shards of t_cat_1 on rank 0), compared with the writer's own end
+                    step 16 -> validate on 3 ranks (2->3; t_cat_1's column shards merge, t_cat_4 -> DP)
+    that 1-rank fit, step 16 -> validate on 2 ranks (1->2; t_cat_2 DP -> two column shards, t_cat_3 -> DP)
+
+Resumed training is compared with the never-interrupted writer. The global batches are the same
+(96 rows per step on any world size) and every table keeps its optimizer semantics under the new
+plan (row-wise Adagrad over the same columns), so the only difference is the order in which float
+sums are taken (a gradient summed over ranks vs over one batch): the same 2e-5 that separates 1 and
+2 ranks in test_sharding. A lost optimizer state would not pass: restarting Adagrad's accumulator
+moves the predictions by ~2e-2 (checked by disabling it). A table whose column layout changes
+trains differently afterwards (one accumulator per row and shard), so such tables are compared on
+loading (validate), not on training.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from app.data.dataset import CriteoBatches
+from app.data.loader import ResumableBatchLoader
+from app.data.tsv import CriteoArrays
+from app.reshard import SliceLoadPlanner, column_weighted_mean
+from reshard_runs import SPLIT_TABLE, eval_args, fit_with_checkpoints, plan_args, table_key
+from multiprocess import run_on_ranks
+from test_sharding import shards_and_predictions
+
+TOLERANCE_ACROSS_WORLD_SIZES = 2e-5
+
+
+# t_cat_0 leaves data_parallel, t_cat_2 joins it; SPLIT_TABLE keeps its two column shards, both on rank 0.
+ONE_RANK_PLAN = {SPLIT_TABLE: {"sharding_types": ["column_wise"], "min_partition": 4},
+                 "t_cat_2": {"sharding_types": ["data_parallel"]}}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def resumed_on_one_rank(checkpoint_writer, sample, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("one_rank")
+    step8 = str(checkpoint_writer["root"] / "checkpoints" / "step=8.ckpt")
+    (result,) = run_on_ranks(
+        1, fit_with_checkpoints(sample, root, 1, plan_args("table_wise", ONE_RANK_PLAN), ["--ckpt_path", step8]), root, shards_and_predictions
+    )
+    return {"root": root, "result": result}
+
+
+def test_fit_resumed_on_one_rank_continues_the_two_rank_run(checkpoint_writer, resumed_on_one_rank):
+    resumed, uninterrupted = resumed_on_one_rank["result"], checkpoint_writer["result"]
+    assert resumed["global_step"] == uninterrupted["global_step"] == 16
+    assert resumed["shards"][table_key(SPLIT_TABLE)] == [((0, 0), (500, 4)), ((0, 4), (500, 4))]
+    assert resumed["shards"][table_key("t_cat_0")] == [((0, 0), (500, 8))]
+    assert resumed["shards"][table_key("t_cat_2")] == [((0, 0), (500, 8))]
+    np.testing.assert_allclose(
+        resumed["probabilities"], uninterrupted["probabilities"], rtol=0, atol=TOLERANCE_ACROSS_WORLD_SIZES
+    )
+
+
+def test_validate_on_three_ranks_under_another_plan_scores_as_the_two_rank_writer(checkpoint_writer, sample, tmp_path):
+    last = checkpoint_writer["root"] / "checkpoints" / "step=16.ckpt"
+    plan = plan_args("table_wise", {"t_cat_4": {"sharding_types": ["data_parallel"]}})
+    ranks = run_on_ranks(3, eval_args(sample, tmp_path, "validate", 3, last, plan), tmp_path, shards_and_predictions)
+    # SPLIT_TABLE's two column shards merge into one table-wise shard; t_cat_0 leaves data_parallel.
+    held = [r["shards"][table_key(SPLIT_TABLE)] for r in ranks]
+    assert sorted(held) == [[], [], [((0, 0), (500, 8))]]
+    assert sum(len(r["shards"][table_key("t_cat_0")]) for r in ranks) == 1
+    assert ranks[0]["shards"][table_key("t_cat_4")] == [((0, 0), (500, 8))]  # now a replica on every rank
+    np.testing.assert_allclose(ranks[0]["probabilities"], checkpoint_writer["result"]["probabilities"], rtol=0, atol=1e-6)
+
+
+def test_validate_on_two_ranks_from_a_one_rank_checkpoint_splits_its_tables(resumed_on_one_rank, sample, tmp_path):
+    last = resumed_on_one_rank["root"] / "checkpoints" / "step=16.ckpt"
+    plan = plan_args("column_wise", {"t_cat_2": {"min_partition": 4}, "t_cat_3": {"sharding_types": ["data_parallel"]}})
+    ranks = run_on_ranks(2, eval_args(sample, tmp_path, "validate", 2, last, plan), tmp_path, shards_and_predictions)
+    # Table-wise on one rank -> two column shards on two ranks, and one table replicated.
+    assert ranks[0]["shards"][table_key("t_cat_2")] in ([((0, 0), (500, 4))], [((0, 4), (500, 4))])
+    assert ranks[0]["shards"][table_key("t_cat_3")] == [((0, 0), (500, 8))]
+    np.testing.assert_allclose(ranks[0]["probabilities"], resumed_on_one_rank["result"]["probabilities"], rtol=0, atol=1e-6)
+
+
+def _rank_loader(rank: int, world_size: int, batch_size_per_rank: int) -> ResumableBatchLoader:
+    rows = np.arange(96)  # whole global batches: a short last one would be split differently
+    arrays = CriteoArrays(
+        dense=np.repeat(rows[:, None], 13, axis=1).astype(np.float32),
+        sparse=np.repeat(rows[:, None], 26, axis=1),
+        labels=(rows % 2).astype(np.float32),
+    )
+    batches = CriteoBatches(arrays, batch_size_per_rank, rank, world_size, shuffle=True, seed=1, drop_remainder=True)
+    return ResumableBatchLoader(batches)
+
+
+def test_the_loader_position_carries_over_to_another_world_size_with_the_same_global_batch():
+    one_rank = _rank_loader(0, 1, 12)
+    one_rank.sampler.set_epoch(2)
+    epoch = [b.row_ids.tolist() for b in one_rank]
+    interrupted = _rank_loader(0, 1, 12)
+    interrupted.sampler.set_epoch(2)
+    iterator = iter(interrupted)
+    for _ in range(3):
+        next(iterator)
+    state = interrupted.state_dict()
+
+    rest_per_rank = []
+    for rank in range(3):  # 3 ranks x 4 rows = the same global batches of 12
+        loader = _rank_loader(rank, 3, 4)
+        loader.load_state_dict(state)
+        loader.sampler.set_epoch(2)
+        rest_per_rank.append([b.row_ids.tolist() for b in loader])
+    global_batches = [sum(parts, []) for parts in zip(*rest_per_rank)]
+    assert global_batches == epoch[3:]
+
+    with pytest.raises(ValueError, match="set data.batch_size to 6 to resume at the next unseen batch"):
+        _rank_loader(0, 2, 5).load_state_dict(state)
+
+
+def test_slices_of_a_stacked_row_wise_accumulator_load_and_merge_by_column_width(tmp_path):
+    # Two column shards (4 + 4 columns) of a 6-row table, their accumulators stacked as under column-wise.
+    left, right = torch.arange(6.0), torch.arange(6.0) * 10
+    key = "optimizer_states.0.state.sparse.embedding_bags.t.weight.t.momentum1"
+    dcp.save({key: torch.cat([left, right])}, checkpoint_id=tmp_path, no_dist=True)
+    slices = {"left_rows_2_5": (key, [2]), "right_rows_2_5": (key, [6 + 2])}
+    buffers = {name: torch.empty(3) for name in slices}
+    dcp.load(buffers, checkpoint_id=tmp_path, planner=SliceLoadPlanner(slices), no_dist=True)
+    assert buffers["left_rows_2_5"].tolist() == [2.0, 3.0, 4.0]
+    assert buffers["right_rows_2_5"].tolist() == [20.0, 30.0, 40.0]
+    # Merged into one 8-column shard: each row's mean of squared gradients over all 8 columns.
+    merged = column_weighted_mean([(buffers["left_rows_2_5"], 4), (buffers["right_rows_2_5"], 4)], width=8)
+    assert merged.tolist() == [11.0, 16.5, 22.0]
+    # A 6-column shard over columns [2, 8): 2 of the left shard's columns, all 4 of the right one's.
+    assert column_weighted_mean([(left[:1], 2), (right[1:2], 4)], width=6).tolist() == pytest.approx([(0 * 2 + 10 * 4) / 6])
