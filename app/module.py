@@ -148,10 +148,10 @@ class DLRMModule(LightningModule):
             name = resolve_pipeline(self.hparams.pipeline, self.trainer.strategy.root_device)
             self._pipelined = PipelinedTraining(name, self, click_loss, self.hparams.semi_sync_start_step)
         loss, batch = self._pipelined.step(dataloader_iter)
-        step_lr_schedulers(self, "step")
         self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.numel())
         if not self.lr_schedule.is_constant:
-            self._log_learning_rates()
+            self._log_learning_rates()  # the rates this step trained with, as in the plain loop
+        step_lr_schedulers(self, "step")
         return loss
 
     def on_validation_start(self) -> None:
