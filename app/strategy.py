@@ -14,7 +14,6 @@ Life cycle inside ``Trainer.fit``:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -41,7 +40,6 @@ from app.checkpoint import CheckpointInfo
 from app.export import is_exported_model, load_exported_into
 from app.launch import check_launch, set_collective_error_defaults
 from app.lr_schedule import move_scheduler
-from app.plan_json import plan_to_json
 from app.optimizers import StepOnceCombinedOptimizer
 from app.rendezvous import join_process_group
 from app.reshard import plan_allows
@@ -211,11 +209,6 @@ class TorchRecStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self._reject_settings_fused_updates_cannot_honour(trainer)
         self.model = self._shard(self.lightning_module, self._checkpoint_to_load(trainer))
-        if self.is_global_zero and trainer.state.fn == TrainerFn.FITTING:
-            # The run folder records the plan it trained under, for a reader as much as for a tool.
-            path = Path(trainer.default_root_dir) / "sharding_plan.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(plan_to_json(self.sharding_plan), indent=1))
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
