@@ -6,12 +6,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SAMPLE := data/sample/train.tsv
 
-.PHONY: setup run test sample lint bench bench-data clean help
+.PHONY: setup run test test-compat sample lint bench bench-data clean help
 
 help:
 	@echo "make run    - set up .venv and train the demo (2 CPU processes, sharded embeddings)"
 	@echo "make test   - set up .venv and run the whole test suite"
-	@echo "make setup  - only create .venv and install the pinned stack"
+	@echo "make setup  - only create .venv and install the pinned stack (DEVICE=cuda: the CUDA builds)"
+	@echo "make test-compat - the multi-process tests on the oldest and the newest supported stack"
 	@echo "make sample - only generate the bundled Criteo-format sample in data/sample/"
 	@echo "make lint   - lint the Dockerfile with hadolint"
 	@echo "make bench  - the app against a plain TorchRec loop, side by side (JSON lines; BENCH_ARGS=\"--preset NAME ...\")"
@@ -19,12 +20,27 @@ help:
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt requirements-torchrec.txt requirements-dev.txt
+# cpu (default) or cuda: which builds of torch and fbgemm-gpu `setup` installs. It counts only when
+# .venv is (re)installed: `make run` / `make test` keep what is there; `make clean` to switch.
+DEVICE ?= cpu
+ifeq ($(filter $(DEVICE),cpu cuda),)
+$(error DEVICE=$(DEVICE): use cpu or cuda)
+endif
+
+$(STAMP): requirements.txt requirements-torchrec.txt requirements-dev.txt requirements-cuda.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip==25.3
 	# torch first and alone, so nothing can resolve it to another build.
 	$(PY) -m pip install --quiet torch==2.13.0
+ifeq ($(DEVICE),cuda)
+	# PyPI's Linux torch 2.13.0 is the CUDA 13.0 build; PyPI's fbgemm-gpu 1.8.0 is built against it.
+	$(PY) -c "import sys, torch; sys.exit(0 if torch.version.cuda else f'DEVICE=cuda: torch {torch.__version__} is a CPU build')"
+	grep -v '^fbgemm-gpu-cpu==' requirements.txt > $(VENV)/requirements-without-cpu-fbgemm.txt
+	$(PY) -m pip install --quiet -r $(VENV)/requirements-without-cpu-fbgemm.txt -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-cuda.txt
+else
 	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+endif
 	$(PY) -m pip install --quiet --no-deps -r requirements-torchrec.txt
 	$(PY) -c "import torch, fbgemm_gpu, torchrec, lightning, torchmetrics; print('stack ok: torch', torch.__version__)"
 	touch $(STAMP)
@@ -52,4 +68,35 @@ bench-data: setup
 	$(PY) data/bench_data.py
 
 clean:
-	rm -rf $(VENV) data/sample runs .pytest_cache
+	rm -rf $(VENV) .venv-compat-oldest .venv-compat-newest data/sample runs .pytest_cache
+
+# ---- the oldest and the newest supported torch / fbgemm-gpu / torchrec (README "GPUs") --------------
+# Each stack gets its own environment, .venv-compat-oldest and .venv-compat-newest: its torch (with its
+# dependencies), then requirements.txt without the lines the stack's file replaces, then the stack's
+# own pins with --no-deps, as in `setup`. PyPI's Linux torch wheels are CUDA builds that also run on
+# CPU (they bring ~5 GB of nvidia-* libraries); where PyTorch's CPU index is reachable, use it instead:
+#   make test-compat COMPAT_TORCH_INDEX=https://download.pytorch.org/whl/cpu
+COMPAT_TORCH_INDEX ?=
+# The multi-process tests that matter on another stack: sharded fit, sharded == unsharded, resume,
+# predict from a sharded checkpoint, and the planner with the hardware presets.
+COMPAT_TESTS := tests/test_sharding.py tests/test_resume.py tests/test_topology.py \
+	tests/test_train.py::test_predict_writes_one_probability_per_row_in_order
+
+.venv-compat-%/.installed: requirements-compat-%.txt requirements.txt requirements-dev.txt
+	test -x .venv-compat-$*/bin/python || $(PYTHON) -m venv .venv-compat-$*
+	.venv-compat-$*/bin/python -m pip install --quiet --upgrade pip==25.3
+	.venv-compat-$*/bin/python -m pip install --quiet $(if $(COMPAT_TORCH_INDEX),--index-url $(COMPAT_TORCH_INDEX)) \
+		$$(grep -E '^torch==' requirements-compat-$*.txt)
+	sed -nE 's/^([A-Za-z0-9_.-]+)==.*/\1/p' requirements-compat-$*.txt > .venv-compat-$*/replaced.txt
+	grep -viE "^($$(paste -sd'|' .venv-compat-$*/replaced.txt))==" requirements.txt > .venv-compat-$*/requirements-app.txt
+	grep -E '^(pytest|iniconfig|pluggy|Pygments)==' requirements-dev.txt >> .venv-compat-$*/requirements-app.txt
+	.venv-compat-$*/bin/python -m pip install --quiet --no-deps -r .venv-compat-$*/requirements-app.txt
+	.venv-compat-$*/bin/python -m pip install --quiet --no-deps -r requirements-compat-$*.txt
+	.venv-compat-$*/bin/python -c "import torch, fbgemm_gpu, torchrec, lightning; \
+		from importlib.metadata import version as v; \
+		print('$* stack ok: torch', torch.__version__, '| fbgemm-gpu-cpu', v('fbgemm-gpu-cpu'), '| torchrec', v('torchrec'))"
+	touch $@
+
+test-compat: .venv-compat-oldest/.installed .venv-compat-newest/.installed
+	.venv-compat-oldest/bin/python -m pytest -q $(COMPAT_TESTS)
+	.venv-compat-newest/bin/python -m pytest -q $(COMPAT_TESTS)

@@ -10,17 +10,32 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner.constants import BATCH_SIZE
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.perf_models import NoopPerfModel, NoopStorageModel
+from torchrec.distributed.planner.stats import EmbeddingStats
 from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
-from torchrec.distributed.planner.types import KernelConfig, ParameterConstraints, TopologyFactory, TrainerConfig
+from torchrec.distributed.planner.types import (
+    ParameterConstraints,
+    PlannerError,
+    PlannerErrorType,
+    ShardingOption,
+    Stats,
+    Topology,
+)
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+from app.compat import create_topology
+from app.topology import DeviceTopology
 
 # Share of each device's memory the planner keeps free for the dense model, activations and buffers.
 STORAGE_RESERVED_FRACTION = 0.15
@@ -140,30 +155,70 @@ def embedding_table_names(module: nn.Module) -> list[str]:
     ]
 
 
-def plan_sharding(
+PLANNER_OBJECTIVES = ("performance", "memory")
+
+
+@dataclass
+class ShardEstimate:
+    """The planner's estimate for one shard of the plan it chose (sizes in bytes, times in ms per step)."""
+
+    table: str
+    sharding_type: str
+    compute_kernel: str
+    rank: int
+    offsets: list[int]
+    sizes: list[int]
+    hbm_bytes: int
+    ddr_bytes: int
+    fwd_compute_ms: float
+    fwd_comms_ms: float
+    bwd_compute_ms: float
+    bwd_comms_ms: float
+    total_ms: float  # as TorchRec's performance model counts it (with prefetch and input distribution)
+
+
+@dataclass
+class PlannedSharding:
+    """A sharding plan with what the planner estimated for each shard (empty for a plan it did not make)."""
+
+    plan: ShardingPlan
+    estimates: list[ShardEstimate]
+
+
+class _BestPlanRecorder(Stats):
+    """Keeps the sharding options of the plan the planner chose: TorchRec hands them only to its Stats."""
+
+    def __init__(self) -> None:
+        self.best_plan: list[ShardingOption] = []
+
+    def log(self, *args: Any, best_plan: list[ShardingOption] | None = None, **kwargs: Any) -> None:
+        self.best_plan = list(best_plan or [])
+
+
+def build_topology(device: DeviceTopology, *, world_size: int, local_world_size: int) -> Topology:
+    """TorchRec's Topology for ``world_size`` devices like ``device``, ``local_world_size`` of them per node."""
+    return create_topology(world_size=world_size, local_world_size=local_world_size, **device.to_torchrec_kwargs())
+
+
+def plan_on_this_process(
     module: nn.Module,
     *,
-    world_size: int,
-    local_world_size: int,
-    device: torch.device,
+    topology: Topology,
     sharders: list[ModuleSharder[nn.Module]],
     constraints: dict[str, ParameterConstraints],
-    hbm_cap_bytes: int | None,
-    ddr_cap_bytes: int | None,
     batch_size_per_rank: int | None,
-    process_group: dist.ProcessGroup,
-) -> ShardingPlan:
-    """Plans on rank 0 and broadcasts, so every rank shards identically (TorchRec's collective_plan)."""
-    topology = TopologyFactory.create_topology(
-        TrainerConfig(
-            world_size=world_size,
-            local_world_size=local_world_size,
-            hbm_cap_bytes=hbm_cap_bytes,
-            ddr_cap_bytes=ddr_cap_bytes,
-        ),
-        # ROCm GPUs report "cuda" too, which is what the planner expects.
-        kernel_config=KernelConfig(compute_device=device.type),
-    )
+    objective: str = "performance",
+) -> PlannedSharding:
+    """Runs TorchRec's planner here; a model that cannot fit raises a ValueError naming the table and the shortfall.
+
+    ``objective``: ``performance`` picks the plan with the lowest estimated step time (TorchRec's
+    default ``NoopPerfModel``), ``memory`` the one with the lowest peak HBM per device (its
+    ``NoopStorageModel``).
+    """
+    if objective not in PLANNER_OBJECTIVES:
+        raise ValueError(f"strategy.planner_objective = {objective!r}: choose one of {', '.join(PLANNER_OBJECTIVES)}")
+    recorder = _BestPlanRecorder()
+    performance_model = NoopStorageModel(topology) if objective == "memory" else NoopPerfModel(topology)
     planner = EmbeddingShardingPlanner(
         topology=topology,
         batch_size=batch_size_per_rank,
@@ -171,8 +226,152 @@ def plan_sharding(
         # TorchRec's default (heuristical) reservation estimates the dense part from tensors that are
         # not materialised yet and warns about it; a fixed share of each device's memory does not.
         storage_reservation=FixedPercentageStorageReservation(percentage=STORAGE_RESERVED_FRACTION),
+        performance_model=performance_model,
+        stats=[EmbeddingStats(), recorder],
     )
-    return planner.collective_plan(module, sharders, process_group)
+    try:
+        plan = planner.plan(module, sharders)
+    except PlannerError as error:
+        # A table too big for any one device is a "strict constraints" failure to TorchRec when the
+        # devices together could hold it, an "insufficient storage" one when they could not.
+        explained = None
+        if error.error_type in (PlannerErrorType.INSUFFICIENT_STORAGE, PlannerErrorType.STRICT_CONSTRAINTS):
+            explained = explain_shortfall(
+                module, topology=topology, sharders=sharders, constraints=constraints,
+                batch_size_per_rank=batch_size_per_rank,
+                whole_model=error.error_type == PlannerErrorType.INSUFFICIENT_STORAGE,
+            )  # fmt: skip
+        raise ValueError(explained or f"TorchRec's planner found no plan: {error}") from error
+    return PlannedSharding(plan, [estimate for option in recorder.best_plan for estimate in _estimates(option)])
+
+
+def _estimates(option: ShardingOption) -> list[ShardEstimate]:
+    estimates = []
+    for shard in option.shards:
+        storage, perf = shard.storage, shard.perf
+        estimates.append(
+            ShardEstimate(
+                table=option.name,
+                sharding_type=option.sharding_type,
+                compute_kernel=option.compute_kernel,
+                rank=-1 if shard.rank is None else int(shard.rank),
+                offsets=[int(o) for o in shard.offset],
+                sizes=[int(s) for s in shard.size],
+                hbm_bytes=int(storage.hbm) if storage else 0,
+                ddr_bytes=int(storage.ddr) if storage else 0,
+                fwd_compute_ms=float(perf.fwd_compute) if perf else 0.0,
+                fwd_comms_ms=float(perf.fwd_comms) if perf else 0.0,
+                bwd_compute_ms=float(perf.bwd_compute) if perf else 0.0,
+                bwd_comms_ms=float(perf.bwd_comms) if perf else 0.0,
+                total_ms=float(perf.total) if perf else 0.0,
+            )
+        )
+    return estimates
+
+
+def explain_shortfall(
+    module: nn.Module,
+    *,
+    topology: Topology,
+    sharders: list[ModuleSharder[nn.Module]],
+    constraints: dict[str, ParameterConstraints],
+    batch_size_per_rank: int | None,
+    whole_model: bool = True,
+) -> str | None:
+    """Why no plan fits: the tables that fit on no device in any allowed way and by how much, or else (with
+    ``whole_model``) the total the tables need against what all devices have; None if neither applies.
+
+    TorchRec's PlannerError reports the storage gap of the whole model only; this enumerates the same
+    options the planner had and keeps, per table, the one that comes closest to fitting on one device.
+    """
+    batch_size = batch_size_per_rank or BATCH_SIZE
+    available = FixedPercentageStorageReservation(percentage=STORAGE_RESERVED_FRACTION).reserve(
+        topology, batch_size, module, sharders, constraints
+    )
+    hbm_free = min(device.storage.hbm for device in available.devices)
+    ddr_free = min(device.storage.ddr for device in available.devices)
+    options = EmbeddingEnumerator(topology=topology, batch_size=batch_size, constraints=constraints).enumerate(
+        module, sharders
+    )
+    tier = "HBM" if topology.compute_device != "cpu" else "host memory"
+    shortfalls: dict[str, int] = {}
+    smallest: dict[str, int] = {}
+    for option in options:
+        largest_shard = max(option.shards, key=lambda shard: shard.storage.hbm + shard.storage.ddr).storage
+        excess = max(0, largest_shard.hbm - hbm_free) + max(0, largest_shard.ddr - ddr_free)
+        shortfalls[option.name] = min(excess, shortfalls.get(option.name, excess))
+        total = sum(shard.storage.hbm if tier == "HBM" else shard.storage.ddr for shard in option.shards)
+        smallest[option.name] = min(total, smallest.get(option.name, total))
+    per_device = hbm_free if tier == "HBM" else ddr_free
+    free = f"{_gib(ddr_free)} of host memory"
+    if tier == "HBM":
+        free = f"{_gib(hbm_free)} of HBM and {free}"
+    reserved = "what the planner may fill: the capacity less the share kept for the dense part"
+    too_big = {name: gap for name, gap in shortfalls.items() if gap > 0}
+    if too_big:
+        lines = [f"  {name}: short by {_gib(gap)} per device" for name, gap in sorted(too_big.items(), key=_by_gap)]
+        return (
+            f"the model does not fit: {len(too_big)} table(s) fit on no device in any allowed sharding "
+            f"({free} per device, {reserved}):\n"
+            + "\n".join(lines)
+            + "\nraise strategy.topology_overrides (hbm_cap_bytes / ddr_cap_bytes), allow more sharding types, "
+            "use more devices or smaller tables"
+        )
+    if not whole_model:
+        return None
+    need = sum(smallest.values())
+    have = per_device * topology.world_size
+    largest = ", ".join(f"{name} {_gib(size)}" for name, size in sorted(smallest.items(), key=_by_gap)[:3])
+    return (
+        f"the model does not fit: its tables need at least {_gib(need)} of {tier} in all, the "
+        f"{topology.world_size} devices have {_gib(have)} free ({reserved}): short by {_gib(max(need - have, 0))} "
+        f"or more (largest tables: {largest})"
+    )
+
+
+def _by_gap(item: tuple[str, int]) -> tuple[int, list[int | str]]:
+    return (-item[1], _natural_key(item[0]))
+
+
+def _gib(num_bytes: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at or above 1 (model sizes span KiB to TiB)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.2f} {unit}"
+    return f"{num_bytes:.0f} bytes"
+
+
+def plan_sharding(
+    module: nn.Module,
+    *,
+    device: DeviceTopology,
+    world_size: int,
+    local_world_size: int,
+    sharders: list[ModuleSharder[nn.Module]],
+    constraints: dict[str, ParameterConstraints],
+    batch_size_per_rank: int | None,
+    objective: str,
+    process_group: dist.ProcessGroup,
+) -> PlannedSharding:
+    """Plans on rank 0 and broadcasts the plan, or the reason there is none, to every rank.
+
+    TorchRec's ``collective_plan`` does the same but leaves the other ranks waiting in the broadcast
+    forever when the planner fails on rank 0; here every rank raises the same error.
+    """
+    outcome: list[Any] = [None]
+    if dist.get_rank(process_group) == 0:
+        try:
+            topology = build_topology(device, world_size=world_size, local_world_size=local_world_size)
+            outcome[0] = plan_on_this_process(
+                module, topology=topology, sharders=sharders, constraints=constraints,
+                batch_size_per_rank=batch_size_per_rank, objective=objective,
+            )
+        except Exception as error:  # noqa: BLE001 - re-raised on every rank below
+            outcome[0] = f"{type(error).__name__}: {error}" if not isinstance(error, ValueError) else str(error)
+    dist.broadcast_object_list(outcome, src=dist.get_global_rank(process_group, 0), group=process_group)
+    if isinstance(outcome[0], str):
+        raise ValueError(f"sharding plan: {outcome[0]}")
+    return outcome[0]
 
 
 def _natural_key(name: str) -> list[int | str]:

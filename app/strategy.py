@@ -14,7 +14,6 @@ Life cycle inside ``Trainer.fit``:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -41,11 +40,13 @@ from app.checkpoint import CheckpointInfo
 from app.export import is_exported_model, load_exported_into
 from app.launch import check_launch, set_collective_error_defaults
 from app.lr_schedule import move_scheduler
-from app.plan_json import plan_to_json
 from app.optimizers import StepOnceCombinedOptimizer
 from app.rendezvous import join_process_group
 from app.reshard import plan_allows
+from app.plan_report import plan_report, report_holds_plan, write_plan_report
 from app.sharding import (
+    PLANNER_OBJECTIVES,
+    PlannedSharding,
     TableConstraint,
     build_constraints,
     default_sharders,
@@ -56,6 +57,7 @@ from app.sharding import (
     validate_sharding_request,
 )
 from app.threads import set_worker_threads
+from app.topology import DeviceTopology, resolve_topology, validate_topology_settings
 
 class TorchRecStrategy(ParallelStrategy):
     """Shards the embedding tables of the LightningModule across all processes with TorchRec.
@@ -65,8 +67,14 @@ class TorchRecStrategy(ParallelStrategy):
             supports: data_parallel, table_wise, column_wise, table_column_wise on CPU; also row_wise,
             table_row_wise and grid_shard on GPUs).
         table_constraints: per-table limits, keyed by table name (``t_cat_0`` ... ``t_cat_25``).
-        hbm_cap_bytes: GPU memory per device the planner may fill (default: the device's total memory).
-        ddr_cap_bytes: host memory per device the planner may fill (default: TorchRec's 128 GiB).
+        topology: the hardware the planner plans for: ``auto`` (from the device's name, with the HBM the
+            device reports), ``mi300x``, ``mi325x``, ``mi355x``, ``a100``, ``h100``, ``h200``, ``b200`` or
+            ``cpu``. World size and devices per node always come from the launch.
+        topology_overrides: figures that replace the preset's, by field: ``hbm_cap_bytes``,
+            ``hbm_bw_gb_per_s``, ``ddr_cap_bytes``, ``ddr_bw_gb_per_s``, ``hbm_to_ddr_bw_gb_per_s``,
+            ``intra_node_bw_gb_per_s``, ``inter_node_bw_gb_per_s``, ``bwd_compute_multiplier``.
+        planner_objective: ``performance`` (the plan with the lowest estimated step time) or ``memory``
+            (the lowest peak HBM per device).
         process_group_backend: ``gloo`` or ``nccl`` (default: ``nccl`` on GPUs, ``gloo`` on CPU).
         timeout_s: seconds a collective may wait before the process group gives up, so that a dead or
             stuck rank ends the job instead of hanging it. It must exceed the longest time one rank
@@ -84,8 +92,9 @@ class TorchRecStrategy(ParallelStrategy):
         self,
         sharding_types: list[str] | None = None,
         table_constraints: dict[str, TableConstraint] | None = None,
-        hbm_cap_bytes: int | None = None,
-        ddr_cap_bytes: int | None = None,
+        topology: str = "auto",
+        topology_overrides: dict[str, float] | None = None,
+        planner_objective: str = "performance",
         process_group_backend: str | None = None,
         timeout_s: float = 300.0,
         rendezvous_timeout_s: float = 120.0,
@@ -95,8 +104,9 @@ class TorchRecStrategy(ParallelStrategy):
         super().__init__()
         self.sharding_types = sharding_types
         self.table_constraints = dict(table_constraints or {})
-        self.hbm_cap_bytes = hbm_cap_bytes
-        self.ddr_cap_bytes = ddr_cap_bytes
+        self.topology = topology
+        self.topology_overrides = dict(topology_overrides or {})
+        self.planner_objective = planner_objective
         self._process_group_backend = process_group_backend
         self.timeout_s = timeout_s
         self.rendezvous_timeout_s = rendezvous_timeout_s
@@ -151,6 +161,13 @@ class TorchRecStrategy(ParallelStrategy):
     def _validate_settings(self) -> None:
         if self.parallel_devices:
             validate_sharding_request(self.sharding_types, self.table_constraints, self.parallel_devices[0].type)
+        validate_topology_settings(self.topology, self.topology_overrides)
+        if self.parallel_devices and self.topology != "auto":  # auto reads the device: left to each rank
+            resolve_topology(self.topology, self.topology_overrides, self.parallel_devices[0])
+        if self.planner_objective not in PLANNER_OBJECTIVES:
+            raise ValueError(
+                f"strategy.planner_objective = {self.planner_objective!r}: choose one of {', '.join(PLANNER_OBJECTIVES)}"
+            )
         if self._process_group_backend not in (None, "gloo", "nccl"):
             raise ValueError(f"strategy.process_group_backend = {self._process_group_backend!r}: use gloo or nccl")
         for name in ("timeout_s", "rendezvous_timeout_s"):
@@ -192,11 +209,6 @@ class TorchRecStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self._reject_settings_fused_updates_cannot_honour(trainer)
         self.model = self._shard(self.lightning_module, self._checkpoint_to_load(trainer))
-        if self.is_global_zero and trainer.state.fn == TrainerFn.FITTING:
-            # The run folder records the plan it trained under, for a reader as much as for a tool.
-            path = Path(trainer.default_root_dir) / "sharding_plan.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(plan_to_json(self.sharding_plan), indent=1))
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -246,20 +258,22 @@ class TorchRecStrategy(ParallelStrategy):
             and saved.world_size == self.world_size
             and plan_allows(saved.sharding_plan, allowed, self.world_size)
         )
-        self.sharding_plan = saved.sharding_plan if reuse else plan_sharding(
+        device_topology = resolve_topology(self.topology, self.topology_overrides, self.root_device)
+        planned = PlannedSharding(saved.sharding_plan, []) if reuse else plan_sharding(
             module,
+            device=device_topology,
             world_size=self.world_size,
             local_world_size=self.num_processes,
-            device=self.root_device,
             sharders=sharders,
             constraints=constraints,
-            hbm_cap_bytes=self.hbm_cap_bytes or self._device_memory_bytes(),
-            ddr_cap_bytes=self.ddr_cap_bytes,
-            batch_size_per_rank=None,
+            batch_size_per_rank=getattr(module.trainer.datamodule, "batch_size", None),
+            objective=self.planner_objective,
             process_group=dist.group.WORLD,
         )
+        self.sharding_plan = planned.plan
         source = f", as saved in {checkpoint_path}" if reuse else ""
         rank_zero_info(f"TorchRec sharding plan ({self.world_size} ranks{source}):\n{format_plan(self.sharding_plan)}")
+        self._write_plan_report(planned, device_topology, source=str(checkpoint_path) if reuse else "the planner")
         self._dmp = DistributedModelParallel(
             module,
             env=ShardingEnv.from_process_group(dist.group.WORLD),
@@ -269,10 +283,20 @@ class TorchRecStrategy(ParallelStrategy):
         )
         return self._dmp
 
-    def _device_memory_bytes(self) -> int | None:
-        if self.root_device.type == "cuda":
-            return torch.cuda.get_device_properties(self.root_device).total_memory
-        return None
+    def _write_plan_report(self, planned: PlannedSharding, device: DeviceTopology, source: str) -> None:
+        # Written when fitting; validate/test/predict reuse a checkpoint's plan and leave the report be.
+        trainer = self.lightning_module.trainer
+        if not self.is_global_zero or trainer.state.fn != TrainerFn.FITTING:
+            return
+        folder = Path(trainer.default_root_dir)
+        if not planned.estimates and report_holds_plan(folder, planned.plan):
+            return  # a resumed run: the report of the run that made this plan has the planner's estimates
+        report = plan_report(
+            planned, device=device, world_size=self.world_size, local_world_size=self.num_processes,
+            objective=self.planner_objective, source=source,
+        )
+        path = write_plan_report(report, folder)
+        rank_zero_info(f"Sharding plan with the planner's estimates: {path} and {path.with_suffix('.txt')}")
 
     def setup_optimizers(self, trainer: Trainer) -> None:
         """Steps one optimizer: the DMP's fused sparse optimizer combined with the module's dense one."""

@@ -30,6 +30,7 @@ from app.model.dlrm import build_dlrm
 from app.optimizers import build_optimizer, fuse_sparse_optimizer
 from app.sharding import build_constraints, default_sharders, embedding_table_names, plan_sharding
 from app.threads import set_worker_threads
+from app.topology import resolve_topology
 
 _MODEL_KEYS = (
     "interaction", "embedding_dim", "num_embeddings_per_feature", "dense_arch_layer_sizes", "over_arch_layer_sizes",
@@ -54,20 +55,20 @@ def run_raw(spec: BenchSpec, clock: StepClock, rank: int, device: torch.device, 
     fuse_sparse_optimizer(dlrm.sparse_arch.parameters(), model_args["sparse_optimizer"], model_args["sparse_learning_rate"])
     train_model = DLRMTrain(dlrm)  # returns (loss, outputs), the interface the pipeline drives
     sharders = default_sharders()
+    # The planner inputs TorchRecStrategy uses, so that both sides plan with the same topology.
     plan = plan_sharding(
         train_model,
+        device=resolve_topology(strategy.get("topology", "auto"), strategy.get("topology_overrides"), device),
         world_size=spec.run.world_size,
         local_world_size=spec.run.world_size,
-        device=device,
         sharders=sharders,
         constraints=build_constraints(
             embedding_table_names(train_model), strategy.get("sharding_types"), strategy.get("table_constraints") or {}
         ),
-        hbm_cap_bytes=strategy.get("hbm_cap_bytes") or _device_memory_bytes(device),
-        ddr_cap_bytes=strategy.get("ddr_cap_bytes"),
-        batch_size_per_rank=None,
+        batch_size_per_rank=None,  # the app side's data module has no batch_size attribute either
+        objective=strategy.get("planner_objective", "performance"),
         process_group=dist.group.WORLD,
-    )
+    ).plan
     model = DistributedModelParallel(
         train_model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device, plan=plan, sharders=sharders
     )
@@ -90,7 +91,3 @@ def run_raw(spec: BenchSpec, clock: StepClock, rank: int, device: torch.device, 
     dist.destroy_process_group()
     return {"plan": plan, "module": train_model}
 
-
-def _device_memory_bytes(device: torch.device) -> int | None:
-    # What TorchRecStrategy gives the planner, so that both sides plan with the same topology.
-    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None

@@ -1,0 +1,120 @@
+"""The sharding plan as a document to read and keep: per rank, its shards, their memory and estimated cost.
+
+Written at start-up into the run folder as ``sharding_plan.json`` (machine-readable; its ``plan``
+entry turns back into the exact ShardingPlan with :func:`read_plan`) and ``sharding_plan.txt``
+(the same for people). Estimates are TorchRec's planner's own: bytes of HBM and host memory per
+shard and milliseconds per step (forward and backward compute and communication), summed per rank
+the way its performance model rates a plan (the slowest rank sets the step time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from torchrec.distributed.types import ShardingPlan
+
+from app.plan_json import plan_from_json, plan_to_json
+from app.sharding import PlannedSharding, format_plan
+from app.topology import DeviceTopology
+
+REPORT_JSON = "sharding_plan.json"
+REPORT_TEXT = "sharding_plan.txt"
+
+
+def plan_report(
+    planned: PlannedSharding,
+    *,
+    device: DeviceTopology,
+    world_size: int,
+    local_world_size: int,
+    objective: str,
+    source: str,
+) -> dict[str, Any]:
+    """The report as JSON-ready data. ``source`` says where the plan came from (the planner or a checkpoint)."""
+    ranks = []
+    for rank in range(world_size):
+        shards = [e for e in planned.estimates if e.rank == rank]
+        ranks.append(
+            {
+                "rank": rank,
+                "hbm_bytes": sum(e.hbm_bytes for e in shards),
+                "ddr_bytes": sum(e.ddr_bytes for e in shards),
+                "estimated_ms_per_step": sum(e.total_ms for e in shards),
+                "shards": [dataclasses.asdict(e) for e in shards],
+            }
+        )
+    return {
+        "source": source,
+        "world_size": world_size,
+        "local_world_size": local_world_size,
+        "objective": objective,
+        "topology": dataclasses.asdict(device),
+        "has_estimates": bool(planned.estimates),
+        "estimated_ms_per_step": max((r["estimated_ms_per_step"] for r in ranks), default=0.0),
+        "ranks": ranks,
+        "plan": plan_to_json(planned.plan),
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as text: the settings, the plan table, then per rank its shards with their estimates."""
+    topology = report["topology"]
+    lines = [
+        f"TorchRec sharding plan: {report['world_size']} ranks ({report['local_world_size']} per node), "
+        f"from {report['source']}",
+        f"topology {topology['name']}: HBM {_gib(topology['hbm_cap_bytes'])} at {topology['hbm_bw_gb_per_s']:g} GB/s, "
+        f"host {_gib(topology['ddr_cap_bytes'])} at {topology['ddr_bw_gb_per_s']:g} GB/s, "
+        f"HBM<->host {topology['hbm_to_ddr_bw_gb_per_s']:g} GB/s, intra-node {topology['intra_node_bw_gb_per_s']:g} GB/s, "
+        f"inter-node {topology['inter_node_bw_gb_per_s']:g} GB/s; objective {report['objective']}",
+        "",
+        format_plan(read_plan(report)),
+        "",
+    ]
+    if not report["has_estimates"]:
+        lines.append("No planner estimates: this plan was not made by the planner in this run.")
+        return "\n".join(lines) + "\n"
+    lines.append(f"Estimated step time (slowest rank): {report['estimated_ms_per_step']:.3f} ms")
+    for rank in report["ranks"]:
+        lines.append(
+            f"rank {rank['rank']}: {len(rank['shards'])} shards, HBM {_gib(rank['hbm_bytes'])}, "
+            f"host {_gib(rank['ddr_bytes'])}, {rank['estimated_ms_per_step']:.3f} ms/step"
+        )
+        for shard in rank["shards"]:
+            size = "x".join(str(s) for s in shard["sizes"])
+            offset = ",".join(str(o) for o in shard["offsets"])
+            lines.append(
+                f"  {shard['table']:<12} {shard['sharding_type']:<17} {shard['compute_kernel']:<17} "
+                f"{size:>14} @ {offset:<10} HBM {_gib(shard['hbm_bytes'])}  host {_gib(shard['ddr_bytes'])}  "
+                f"{shard['total_ms']:.4f} ms"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_plan_report(report: dict[str, Any], folder: Path) -> Path:
+    """Writes ``sharding_plan.json`` and ``sharding_plan.txt`` into ``folder``; returns the JSON file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / REPORT_TEXT).write_text(format_report(report))
+    path = folder / REPORT_JSON
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    return path
+
+
+def read_plan(report: dict[str, Any] | Path) -> ShardingPlan:
+    """The ShardingPlan stored in a report (the dict, or the path of ``sharding_plan.json``)."""
+    data = json.loads(Path(report).read_text()) if isinstance(report, Path) else report
+    return plan_from_json(data["plan"])
+
+
+def report_holds_plan(folder: Path, plan: ShardingPlan) -> bool:
+    """Whether ``folder`` already has a report of exactly ``plan`` (an unreadable one does not count)."""
+    try:
+        return read_plan(folder / REPORT_JSON) == plan
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**30:.3f} GiB"
