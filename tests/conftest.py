@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,24 @@ import pytest
 from app.data.synthetic import write_synthetic_criteo
 
 SHARED_CRITEO = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
+
+# What Lightning's cluster environments and the strategy export into the process that runs the app.
+_LAUNCHER_VARIABLES = (
+    "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"
+)  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _restore_launcher_variables():
+    """A test that runs the app inside pytest leaves MASTER_PORT & co. set here while its rendezvous
+    store still holds that port; app processes of later tests would inherit it (EADDRINUSE)."""
+    saved = {name: os.environ.get(name) for name in _LAUNCHER_VARIABLES}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")
