@@ -9,6 +9,7 @@ from lightning.pytorch import LightningModule
 from torchmetrics import MetricCollection
 
 from app.data.batches import CriteoBatch
+from app.log_steps import RunningMean, metrics_written_after_this_batch
 from app.lr_schedule import LRSchedule, lr_scheduler_config, step_lr_schedulers
 from app.metrics import EvalMetrics, build_eval_metrics
 from app.model.dlrm import Interaction, build_dlrm
@@ -101,6 +102,7 @@ class DLRMModule(LightningModule):
         check_optimizer_names(sparse_optimizer, dense_optimizer)
         check_pipeline(pipeline)
         self._pipelined: PipelinedTraining | None = None
+        self._train_loss = RunningMean()
         self.lr_schedule = LRSchedule(
             lr_warmup_steps, lr_decay_start, lr_decay_steps, lr_decay_power, lr_decay_end_factor
         )
@@ -137,9 +139,7 @@ class DLRMModule(LightningModule):
 
     def training_step(self, batch: CriteoBatch, batch_idx: int) -> torch.Tensor:
         loss = click_loss(self(batch), batch)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.numel())
-        if not self.lr_schedule.is_constant:
-            self._log_learning_rates()
+        self._log_training_step(loss, batch)
         return loss
 
     def pipelined_training_step(self, dataloader_iter: Any) -> torch.Tensor:
@@ -148,11 +148,21 @@ class DLRMModule(LightningModule):
             name = resolve_pipeline(self.hparams.pipeline, self.trainer.strategy.root_device)
             self._pipelined = PipelinedTraining(name, self, click_loss, self.hparams.semi_sync_start_step)
         loss, batch = self._pipelined.step(dataloader_iter)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch.labels.numel())
-        if not self.lr_schedule.is_constant:
-            self._log_learning_rates()  # the rates this step trained with, as in the plain loop
+        self._log_training_step(loss, batch)  # with the rates this step trained with, as in the plain loop
         step_lr_schedulers(self, "step")
         return loss
+
+    def on_train_start(self) -> None:
+        self._train_loss = RunningMean()
+
+    def _log_training_step(self, loss: torch.Tensor, batch: CriteoBatch) -> None:
+        """``train/loss``: the mean over the steps since the last written one (app/log_steps.py)."""
+        self._train_loss.add(loss)
+        if not metrics_written_after_this_batch(self.trainer):
+            return
+        self.log("train/loss", self._train_loss.pop(), prog_bar=True, batch_size=batch.labels.numel())
+        if not self.lr_schedule.is_constant:
+            self._log_learning_rates()
 
     def on_validation_start(self) -> None:
         if self._pipelined is not None:

@@ -10,6 +10,9 @@ semi-sync pipeline records CUDA streams.)
 
 from __future__ import annotations
 
+import csv
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -22,24 +25,31 @@ from test_sharding import fit_args, shards_and_predictions
 STEPS_PER_EPOCH = 12  # 1,536 rows / (2 ranks x 64)
 MAX_STEPS = 17
 TRAIN_ROWS, VAL_ROWS = 1_536, 300
+LOG_EVERY_N_STEPS = 4
 
 
 def probed(cli) -> dict:
     """shards_and_predictions plus the training probe's records."""
     result = shards_and_predictions(cli)
     (probe,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "TrainingProbe"]
-    result.update(steps=probe.steps, validations=probe.validations)
+    result.update(steps=probe.steps, validations=probe.validations, root=cli.trainer.default_root_dir)
     return result
 
 
 def pipeline_args(sample, root, pipeline: str, *extra: str) -> list[str]:
-    return fit_args(sample, root, "table_wise", 64) + [
+    args = fit_args(sample, root, "table_wise", 64) + [
         "--model.pipeline", pipeline,
         "--trainer.max_steps", str(MAX_STEPS),
         "--trainer.val_check_interval", "0.5",
         "--trainer.callbacks+=training_probe.TrainingProbe",
+        "--trainer.log_every_n_steps", str(LOG_EVERY_N_STEPS),
+        "--trainer.logger.class_path", "lightning.pytorch.loggers.CSVLogger",
+        "--trainer.logger.init_args.save_dir", str(root),
+        "--trainer.logger.init_args.name", "logs",
         *extra,
     ]  # fmt: skip
+    del args[args.index("--trainer.logger") : args.index("--trainer.logger") + 2]  # fit_args turns logging off
+    return args
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +113,19 @@ def test_a_mid_epoch_checkpoint_resumes_to_where_the_uninterrupted_run_ended(spa
         assert resumed[rank]["steps"] == uninterrupted["steps"][9:]
         assert resumed[rank]["global_step"] == MAX_STEPS
     np.testing.assert_array_equal(resumed[0]["probabilities"], sparse_dist["ranks"][0]["probabilities"])
+
+
+def test_train_loss_is_written_every_n_steps_as_the_mean_since_the_last_write(plain, sparse_dist):
+    for rank0 in (plain[0], sparse_dist["ranks"][0]):
+        with next(Path(rank0["root"]).glob("logs/version_0/metrics.csv")).open() as f:
+            rows = [row for row in csv.DictReader(f) if row.get("train/loss")]
+        # Lightning writes step metrics after every 4th batch; its step column counts from 0.
+        written_batches = list(range(LOG_EVERY_N_STEPS, MAX_STEPS + 1, LOG_EVERY_N_STEPS))
+        assert [int(row["step"]) for row in rows] == [n - 1 for n in written_batches]
+        assert all(float(row["train/samples_per_sec"]) > 0 for row in rows)
+        losses = [step[2] for step in rank0["steps"]]
+        expected = [np.mean(losses[n - LOG_EVERY_N_STEPS : n], dtype=np.float32) for n in written_batches]
+        assert [float(row["train/loss"]) for row in rows] == pytest.approx(expected, rel=1e-6)
 
 
 def test_semi_sync_is_refused_on_cpu_and_unknown_pipelines_name_the_setting():

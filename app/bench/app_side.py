@@ -1,6 +1,6 @@
 """The app's side of the benchmark: the real LightningModule, TorchRecStrategy and Trainer, on one rank.
 
-The Trainer is built as ``python -m app fit`` builds it (the app's samples/s callback included),
+The Trainer is built as ``python -m app fit`` builds it (the app's samples/s and save-on-signal callbacks included),
 minus what a benchmark must not time: loggers, checkpoints, the progress bar and validation.
 """
 
@@ -16,6 +16,7 @@ from app.bench.measure import StepClock, StepClockCallback
 from app.bench.settings import BenchSpec
 from app.callbacks import SamplesPerSecond
 from app.module import DLRMModule
+from app.preemption import SaveOnSignal
 from app.strategy import TorchRecStrategy
 
 
@@ -38,7 +39,7 @@ def run_app(
         enable_model_summary=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[SamplesPerSecond(), StepClockCallback(clock)],
+        callbacks=[SamplesPerSecond(), SaveOnSignal(), StepClockCallback(clock)],
     )
     trainer.fit(module, datamodule=RandomDataModule(spec.data, spec.total_steps, spec.run.seed + rank))
     if trainer.global_step != spec.total_steps:
