@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from app.bench.cli import main
+from app.bench.measure import step_statistics
 
 TINY = [
     "--preset", "demo", "--run.warmup_steps", "2", "--run.measured_steps", "4",
@@ -35,7 +36,7 @@ def test_make_bench_prints_a_json_line_per_run_and_the_ratio(tmp_path):
         assert [m["rank"] for m in line["peak_memory_per_rank"]] == [0, 1]
         assert line["config"]["data"]["ids_per_lookup"] == 2 and line["versions"]["torchrec"]
     summary = lines[2]
-    assert summary["summary"] is True and summary["same_plan"] is True
+    assert summary["summary"] is True and summary["same_plan"] is True and summary["same_batches"] is True
     assert summary["ratio_app_over_raw"] == pytest.approx(lines[0]["samples_per_s_median"] / lines[1]["samples_per_s_median"])
     assert (tmp_path / "sharding_plan.json").is_file()  # the app's record of its plan, in the bench's folder
 
@@ -56,3 +57,10 @@ def test_bad_configuration_is_refused_before_any_process_starts(args, setting, c
         main(["--preset", "torchrec_reference", *args])
     assert exit_info.value.code == 2
     assert setting in capsys.readouterr().err
+
+
+def test_samples_per_s_counts_the_rows_each_step_trained():
+    # A dataset's last batch of an epoch is short: counting it as a full batch would inflate samples/s.
+    stats = step_statistics([0.5, 0.5, 0.25], [1024, 1024, 128])
+    assert stats["samples_per_s_mean"] == pytest.approx(2176 / 1.25)
+    assert stats["samples_per_s_median"] == pytest.approx(2048)

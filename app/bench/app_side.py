@@ -14,15 +14,18 @@ from lightning.pytorch import Trainer
 from app.bench.data import RandomDataModule
 from app.bench.measure import StepClock, StepClockCallback
 from app.bench.settings import BenchSpec
+from app.bench.trained_batches import TrainedBatches, TrainedBatchesCallback
 from app.callbacks import SamplesPerSecond
 from app.module import DLRMModule
 from app.strategy import TorchRecStrategy
 
 
 def run_app(
-    spec: BenchSpec, model_overrides: dict[str, Any], clock: StepClock, rank: int, device: torch.device
+    spec: BenchSpec, model_overrides: dict[str, Any], clock: StepClock, trained: TrainedBatches, rank: int,
+    device: torch.device,
 ) -> dict[str, Any]:
-    """Trains ``spec.total_steps`` steps, timed by ``clock``; returns the module and the plan for the report."""
+    """Trains ``spec.total_steps`` steps, timed by ``clock``, each batch trained added to ``trained``;
+    returns the module and the plan for the report."""
     module = DLRMModule(**{**spec.model_args(), **model_overrides})
     trainer = Trainer(
         accelerator=spec.run.accelerator,
@@ -38,7 +41,7 @@ def run_app(
         enable_model_summary=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[SamplesPerSecond(), StepClockCallback(clock)],
+        callbacks=[SamplesPerSecond(), StepClockCallback(clock), TrainedBatchesCallback(trained)],
     )
     trainer.fit(module, datamodule=RandomDataModule(spec.data, spec.total_steps, spec.run.seed + rank))
     if trainer.global_step != spec.total_steps:

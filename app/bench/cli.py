@@ -130,6 +130,9 @@ def _emit(line: dict[str, Any]) -> dict[str, Any]:
 def run_line(spec: BenchSpec, label: str, repeat: int, ranks: list[dict[str, Any]], overrides: dict[str, Any]) -> dict:
     """One run's JSON line: rank 0's step statistics, every rank's memory, and what produced them."""
     global_batch = spec.data.batch_size_per_rank * spec.run.world_size
+    # Rows trained in each measured step on all ranks (measured step i trains batch warmup_steps + i).
+    measured = slice(spec.run.warmup_steps, spec.run.warmup_steps + spec.run.measured_steps)
+    samples_per_step = [sum(rows) for rows in zip(*(rank["rows_per_step"][measured] for rank in ranks))]
     memory = [
         {"rank": r, **rank["memory"], "growth_over_expected": rank["memory"]["rss_growth_bytes"] / rank["memory"]["expected_bytes"]}
         for r, rank in enumerate(ranks)
@@ -138,7 +141,7 @@ def run_line(spec: BenchSpec, label: str, repeat: int, ranks: list[dict[str, Any
         "bench": spec.name,
         "run": label,
         "repeat": repeat,
-        **step_statistics(ranks[0]["step_times_s"], global_batch),
+        **step_statistics(ranks[0]["step_times_s"], samples_per_step),
         "world_size": spec.run.world_size,
         "global_batch_size": global_batch,
         "warmup_steps": spec.run.warmup_steps,
@@ -146,6 +149,7 @@ def run_line(spec: BenchSpec, label: str, repeat: int, ranks: list[dict[str, Any
         "threads_per_rank": [rank["threads"] for rank in ranks],
         "peak_memory_per_rank": memory,
         "plan": ranks[0]["plan"],
+        "batches_checksum_per_rank": [rank["batches_checksum"] for rank in ranks],
         **({"phases_ms_per_step_rank0": ranks[0]["phases_ms_per_step"]} if ranks[0]["phases_ms_per_step"] else {}),
         "device": device_description(spec),
         "versions": library_versions(),
@@ -170,6 +174,7 @@ def summary_line(spec: BenchSpec, lines: list[dict[str, Any]]) -> dict[str, Any]
                 summary[key] = statistics.median(per_repeat)
                 summary[f"{key}_per_repeat"] = per_repeat
     summary["same_plan"] = len({line["plan"] for line in lines}) == 1
+    summary["same_batches"] = len({tuple(line["batches_checksum_per_rank"]) for line in lines}) == 1
     # The target is the app's: no rank grows by more than 1.1x what it must hold (tables never duplicated).
     growth = {
         run: max(rank["growth_over_expected"] for line in lines if line["run"] == run for rank in line["peak_memory_per_rank"])

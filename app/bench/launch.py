@@ -22,6 +22,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from app.bench.measure import StepClock, expected_memory_bytes, peak_memory
 from app.bench.phases import StepProfiler
 from app.bench.settings import BenchSpec
+from app.bench.trained_batches import TrainedBatches
 from app.model.dlrm import table_name
 from app.sharding import format_plan
 
@@ -64,16 +65,18 @@ def _worker(
     if run.profile_steps and rank == 0:
         profiler = StepProfiler(Path(run.output_dir) / f"{spec.name}_{label}_rank0.trace.json")
     clock = StepClock(run.warmup_steps, run.measured_steps, device, profiler, run.profile_steps)
+    trained = TrainedBatches()
     # Imported here: each side pays only for its own libraries.
     if side in ("raw", "raw_base"):
         from app.bench.raw_side import run_raw
 
-        result = run_raw(spec, clock, rank, device, overlap=side == "raw")
+        result = run_raw(spec, clock, trained, rank, device, overlap=side == "raw")
     else:
         from app.bench.app_side import run_app
 
-        result = run_app(spec, model_overrides, clock, rank, device)
+        result = run_app(spec, model_overrides, clock, trained, rank, device)
     report = _rank_report(spec, rank, device, clock, result)
+    report.update(rows_per_step=trained.rows_per_step, batches_checksum=trained.checksum())
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
 
 

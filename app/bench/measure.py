@@ -117,15 +117,16 @@ def expected_memory_bytes(
     return table_bytes + dense_bytes + 3 * batch_bytes
 
 
-def step_statistics(step_times_s: list[float], global_batch_size: int) -> dict[str, float]:
-    """Samples/s (median and mean over measured steps) and step-time percentiles in ms."""
+def step_statistics(step_times_s: list[float], samples_per_step: list[int]) -> dict[str, float]:
+    """Samples/s (median and mean over measured steps) and step-time percentiles in ms; each step's
+    samples are the rows it trained on all ranks (a dataset's last batch of an epoch is short)."""
     if not step_times_s:
         raise ValueError("no measured steps: run.measured_steps must be at least 1")
-    rates = [global_batch_size / t for t in step_times_s]
+    rates = [samples / t for samples, t in zip(samples_per_step, step_times_s)]
     quantiles = statistics.quantiles(step_times_s, n=100, method="inclusive") if len(step_times_s) > 1 else [step_times_s[0]] * 99
     return {
         "samples_per_s_median": statistics.median(rates),
-        "samples_per_s_mean": global_batch_size * len(step_times_s) / sum(step_times_s),
+        "samples_per_s_mean": sum(samples_per_step) / sum(step_times_s),
         "step_ms_p50": quantiles[49] * 1e3,
         "step_ms_p90": quantiles[89] * 1e3,
         "step_ms_p99": quantiles[98] * 1e3,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from itertools import islice
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ from torchrec.optim.keyed import CombinedOptimizer
 from app.bench.data import random_loader
 from app.bench.measure import StepClock
 from app.bench.settings import BenchSpec
+from app.bench.trained_batches import TrainedBatches
 from app.model.dlrm import build_dlrm
 from app.optimizers import build_optimizer, fuse_sparse_optimizer
 from app.sharding import build_constraints, default_sharders, embedding_table_names, plan_sharding
@@ -38,8 +40,11 @@ _MODEL_KEYS = (
 )  # fmt: skip
 
 
-def run_raw(spec: BenchSpec, clock: StepClock, rank: int, device: torch.device, overlap: bool = True) -> dict[str, Any]:
-    """Trains ``spec.total_steps`` steps, timed by ``clock``; returns the model and the plan for the report.
+def run_raw(
+    spec: BenchSpec, clock: StepClock, trained: TrainedBatches, rank: int, device: torch.device, overlap: bool = True
+) -> dict[str, Any]:
+    """Trains ``spec.total_steps`` steps, timed by ``clock``, each batch trained added to ``trained``;
+    returns the model and the plan for the report.
 
     ``overlap=False`` drives the same loop with TorchRec's ``TrainPipelineBase`` (copy, forward,
     backward, step; nothing overlapped), which separates what the overlap gains from what Lightning costs.
@@ -85,6 +90,7 @@ def run_raw(spec: BenchSpec, clock: StepClock, rank: int, device: torch.device, 
     pipeline = pipeline_class(model, optimizer, device)
 
     batches = iter(random_loader(spec.data, spec.total_steps, spec.run.seed + rank))
+    batches = trained.recording(islice(batches, spec.total_steps))  # the pipeline trains every batch it pulls
     for step in range(spec.total_steps):
         pipeline.progress(batches)
         clock.step_ended()
