@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningDataModule, Trainer
 
 from app.bench.data import RandomDataModule
+from app.bench.dataset import open_dataset
 from app.bench.measure import StepClock, StepClockCallback
 from app.bench.settings import BenchSpec
 from app.bench.trained_batches import TrainedBatches, TrainedBatchesCallback
@@ -43,7 +44,15 @@ def run_app(
         num_sanity_val_steps=0,
         callbacks=[SamplesPerSecond(), StepClockCallback(clock), TrainedBatchesCallback(trained)],
     )
-    trainer.fit(module, datamodule=RandomDataModule(spec.data, spec.total_steps, spec.run.seed + rank))
+    trainer.fit(module, datamodule=_data_module(spec, rank))
     if trainer.global_step != spec.total_steps:
         raise RuntimeError(f"the app trained {trainer.global_step} steps instead of {spec.total_steps}")
     return {"plan": trainer.strategy.sharding_plan, "module": module}
+
+
+def _data_module(spec: BenchSpec, rank: int) -> LightningDataModule:
+    """The app's own Criteo data module for a dataset (Lightning prepares and sets it up; with
+    ``max_epochs=-1``, ``max_steps`` runs through as many epochs as it takes), else random batches."""
+    if spec.dataset is not None:
+        return open_dataset(spec.dataset)
+    return RandomDataModule(spec.data, spec.total_steps, spec.run.seed + rank)

@@ -88,11 +88,11 @@ def _rank_report(spec: BenchSpec, rank: int, device: torch.device, clock: StepCl
         p.numel() for name, p in in_backward_optimizer_filter(result["module"].named_parameters())
         if not name.startswith(TABLE_PREFIX)
     )  # fmt: skip
-    data = spec.data
-    batch_bytes = data.batch_size_per_rank * (13 * 4 + 4 + 8 + 8 * sum(data.pooling_factors()) + 4 * data.num_tables)
+    inputs = spec.inputs
     expected = expected_memory_bytes(
-        result["plan"], rank, table_shapes, model["sparse_optimizer"], dense_parameters, model["dense_optimizer"], batch_bytes
-    )
+        result["plan"], rank, table_shapes, model["sparse_optimizer"], dense_parameters, model["dense_optimizer"],
+        inputs.batch_bytes(), inputs.mapped_data_bytes(spec.total_steps),
+    )  # fmt: skip
     return {
         "step_times_s": clock.step_times_s(),
         "phases_ms_per_step": clock.phases_ms,

@@ -92,11 +92,12 @@ def peak_memory(device: torch.device, rss_at_setup_bytes: int) -> dict[str, int]
 
 def expected_memory_bytes(
     plan: ShardingPlan, rank: int, table_shapes: dict[str, tuple[int, int]], sparse_optimizer: str,
-    dense_parameters: int, dense_optimizer: str, batch_bytes: int,
+    dense_parameters: int, dense_optimizer: str, batch_bytes: int, mapped_data_bytes: int = 0,
 ) -> int:
     """What rank ``rank`` must hold: its table shards and their optimizer state (a full copy of a
     replicated table, with its gradient), the dense model with its gradients, DDP's gradient buckets
-    and optimizer state, and a few batches."""
+    and optimizer state, a few batches, and the pages of memory-mapped data files it reads (resident
+    memory counts them)."""
     table_elements = row_count = 0
     for module_plan in plan.plan.values():
         for table, sharding in module_plan.items():  # type: ignore[union-attr]
@@ -114,7 +115,7 @@ def expected_memory_bytes(
     if sparse_optimizer == "row_wise_adagrad":
         table_bytes += row_count * _FLOAT32_BYTES
     dense_bytes = dense_parameters * _FLOAT32_BYTES * (3 + _STATE_PER_ELEMENT[dense_optimizer])
-    return table_bytes + dense_bytes + 3 * batch_bytes
+    return table_bytes + dense_bytes + 3 * batch_bytes + mapped_data_bytes
 
 
 def step_statistics(step_times_s: list[float], samples_per_step: list[int]) -> dict[str, float]:

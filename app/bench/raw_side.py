@@ -6,7 +6,8 @@ one, and ``TrainPipelineSparseDist.progress`` in a loop, overlapping the next ba
 all-to-all with this batch's compute.
 
 It uses the app's model builder, optimizer choices and planner inputs, so that the two sides train
-the same model with the same optimizers under the same plan; none of those involve Lightning.
+the same model with the same optimizers under the same plan; none of those involve Lightning. With a
+dataset it iterates the app's own data module's training loader, epoch after epoch.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from torchrec.models.dlrm import DLRMTrain
 from torchrec.optim.keyed import CombinedOptimizer
 
 from app.bench.data import random_loader
+from app.bench.dataset import epochs, open_dataset
 from app.bench.measure import StepClock
+from app.data.datamodule import CriteoDataModule
 from app.bench.settings import BenchSpec
 from app.bench.trained_batches import TrainedBatches
 from app.model.dlrm import build_dlrm
@@ -54,6 +57,8 @@ def run_raw(
     dist.init_process_group(backend, timeout=timedelta(seconds=strategy.get("timeout_s", 1800.0)))
     # As many threads as the app gives its workers, so that the two sides compare like with like.
     set_worker_threads(spec.run.world_size, strategy.get("num_threads_per_process"), os.environ.get("OMP_NUM_THREADS"))
+    # Before the clock's set-up mark, as Lightning sets up the app's data module before its callbacks.
+    dataset = _set_up_dataset(spec)
     clock.mark_setup()
 
     dlrm = build_dlrm(**{key: model_args[key] for key in _MODEL_KEYS}, embedding_device="meta")
@@ -70,7 +75,7 @@ def run_raw(
         constraints=build_constraints(
             embedding_table_names(train_model), strategy.get("sharding_types"), strategy.get("table_constraints") or {}
         ),
-        batch_size_per_rank=None,  # the app side's data module has no batch_size attribute either
+        batch_size_per_rank=spec.planner_batch_size,  # what the app's strategy reads from its data module
         objective=strategy.get("planner_objective", "performance"),
         process_group=dist.group.WORLD,
     ).plan
@@ -89,7 +94,11 @@ def run_raw(
     pipeline_class = TrainPipelineSparseDist if overlap else TrainPipelineBase
     pipeline = pipeline_class(model, optimizer, device)
 
-    batches = iter(random_loader(spec.data, spec.total_steps, spec.run.seed + rank))
+    # The loader made here, as Lightning makes the app's after set-up.
+    if dataset is not None:
+        batches = epochs(dataset.train_dataloader())
+    else:
+        batches = iter(random_loader(spec.data, spec.total_steps, spec.run.seed + rank))
     batches = trained.recording(islice(batches, spec.total_steps))  # the pipeline trains every batch it pulls
     for step in range(spec.total_steps):
         pipeline.progress(batches)
@@ -97,3 +106,12 @@ def run_raw(
     dist.destroy_process_group()
     return {"plan": plan, "module": train_model}
 
+
+def _set_up_dataset(spec: BenchSpec) -> CriteoDataModule | None:
+    """The app's data module for a dataset, set up for this rank (from the process group), as the
+    Trainer sets it up on the app's side; None for random batches."""
+    if spec.dataset is None:
+        return None
+    data = open_dataset(spec.dataset)
+    data.setup("fit")  # the parent prepared the data (converted raw TSV) before any process started
+    return data
