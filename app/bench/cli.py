@@ -7,8 +7,8 @@ Examples::
     python -m app.bench --config configs/bench/demo.yaml --data.batch_size_per_rank 2048
     python -m app.bench --preset torchrec_reference --app_variants '{"pipelined": {"pipeline": "sparse_dist"}}'
     python -m app.bench --preset demo --dataset.train data/sample/train.tsv --dataset.batch_size 1024
-    python -m app.bench --preset demo --dataset.split terabyte --dataset.root /data/criteo_1tb_npy \
-        --dataset.num_embeddings_per_feature auto
+    python -m app.bench --preset demo --dataset.split kaggle --dataset.root /data/kaggle/train.txt \
+        --dataset.num_embeddings_per_feature auto --dataset.cache_dir /scratch/criteo_cache
     python -m app.bench --help
 
 ``--preset NAME`` stands for ``--config configs/bench/NAME.yaml`` and, like it, is overridden by the
