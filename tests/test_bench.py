@@ -1,4 +1,5 @@
-"""`make bench` runs the app and the plain TorchRec loop side by side and prints JSON lines with the ratio;
+"""`make bench` runs the app and the plain TorchRec loop side by side and prints JSON lines with the ratio,
+on random batches or on a real dataset read by the app's data module (both sides the same batches);
 a configuration that cannot run is refused before any process starts, naming the setting."""
 
 from __future__ import annotations
@@ -10,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from app.bench import cli as bench_cli
 from app.bench.cli import main
+from app.bench.dataset import read_dataset
+from app.bench.measure import step_statistics
+from app.bench.trained_batches import TrainedBatches
+from app.data.datamodule import CriteoDataModule
+from app.data.dataset import CriteoBatches
+from app.data.synthetic import write_synthetic_criteo
 
 TINY = [
     "--preset", "demo", "--run.warmup_steps", "2", "--run.measured_steps", "4",
@@ -35,7 +43,7 @@ def test_make_bench_prints_a_json_line_per_run_and_the_ratio(tmp_path):
         assert [m["rank"] for m in line["peak_memory_per_rank"]] == [0, 1]
         assert line["config"]["data"]["ids_per_lookup"] == 2 and line["versions"]["torchrec"]
     summary = lines[2]
-    assert summary["summary"] is True and summary["same_plan"] is True
+    assert summary["summary"] is True and summary["same_plan"] is True and summary["same_batches"] is True
     assert summary["ratio_app_over_raw"] == pytest.approx(lines[0]["samples_per_s_median"] / lines[1]["samples_per_s_median"])
     assert (tmp_path / "sharding_plan.json").is_file()  # the app's record of its plan, in the bench's folder
 
@@ -56,3 +64,103 @@ def test_bad_configuration_is_refused_before_any_process_starts(args, setting, c
         main(["--preset", "torchrec_reference", *args])
     assert exit_info.value.code == 2
     assert setting in capsys.readouterr().err
+
+
+def _dataset_args(train: Path, tmp_path: Path) -> list[str]:
+    """A real dataset through the app's data module: 512 rows per rank, 5 batches per epoch of the
+    4,571 Kaggle rows on 2 processes, so the 6 steps run into a second (reshuffled) epoch."""
+    return [
+        "--preset", "demo", "--run.warmup_steps", "2", "--run.measured_steps", "4", "--run.output_dir", str(tmp_path),
+        "--dataset.train", str(train), "--dataset.batch_size", "512", "--dataset.num_embeddings_per_feature", "auto",
+        "--dataset.cache_dir", str(tmp_path / "cache"), "--dataset.cache_workers", "1",  # not beside the shared rows
+    ]  # fmt: skip
+
+
+def test_both_sides_train_on_the_same_batches_of_a_real_tsv_dataset(shared_criteo, tmp_path):
+    train = shared_criteo / "kaggle_train_4571.tsv"
+    lines = main(_dataset_args(train, tmp_path))
+    assert [line.get("run") for line in lines] == ["app", "raw", None]
+    app, raw, summary = lines
+    for line in (app, raw):
+        assert line["global_batch_size"] == 1024 and line["measured_steps"] == 4
+        assert "data" not in line["config"] and line["config"]["dataset"]["train"] == str(train)
+        read = line["config"]["dataset_read"]
+        assert read["rows"] == 4571 and read["batches_per_epoch_per_rank"] == 5 and read["ids_per_lookup"] == [1.0] * 26
+        assert len(read["table_sizes"]) == 26 and max(read["table_sizes"]) <= 4571  # auto: distinct ids per feature
+        assert all(m["expected_bytes"] > 0 for m in line["peak_memory_per_rank"])
+    assert summary["same_plan"] is True and summary["same_batches"] is True
+    assert summary["ratio_app_over_raw"] == pytest.approx(app["samples_per_s_median"] / raw["samples_per_s_median"])
+    # Not merely equal: the batches the data module gives each rank, epoch after epoch as Lightning runs them.
+    assert app["batches_checksum_per_rank"] == _expected_checksums(tmp_path / "cache", train, world_size=2, steps=6)
+    assert not (shared_criteo / "criteo_cache").exists()
+
+
+def _expected_checksums(cache_dir: Path, train: Path, world_size: int, steps: int) -> list[str]:
+    data = CriteoDataModule(train=str(train), batch_size=512, num_embeddings_per_feature=1000, cache_dir=str(cache_dir))
+    data.setup("fit")  # the cache the bench made; one process: all the rows, as each rank addresses them
+    source = data.datasets["train"].source
+    checksums = []
+    for rank in range(world_size):
+        batches = CriteoBatches(source, 512, rank, world_size, shuffle=True, seed=0, drop_remainder=True)
+        trained = TrainedBatches()
+        for step in range(steps):
+            trained.add(batches[divmod(step, len(batches))])  # (epoch, batch): the epoch sets the shuffle
+        checksums.append(trained.checksum())
+    return checksums
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dataset.train", "{tmp}/missing.tsv"], "dataset.train: data file or directory '{tmp}/missing.tsv' does not exist"),
+        (["--dataset.train", "{tmp}/rows.tsv", "--dataset.format", "numpy"], "dataset.train: {tmp}/rows.tsv: data directory"),
+        (["--dataset.train", "{tmp}", "--dataset.format", "multi_hot"], "dataset.train: {tmp}: no day_*_sparse_multi_hot.npz"),
+        (["--dataset.split", "kaggle", "--dataset.root", "{tmp}/missing.tsv"], "dataset.root: {tmp}/missing.tsv does not exist"),
+        (["--dataset.batch_size", "256"], "dataset.batch_size is set, but no dataset.train or dataset.split"),
+        (["--dataset.train", "{tmp}/small.tsv", "--dataset.cache_dir", "{tmp}/cache", "--dataset.cache_workers", "1"],
+         "dataset.train has 100 training rows, fewer than one global batch of dataset.batch_size = 4096 x run.world_size = 2"),
+    ],
+)
+def test_a_bad_dataset_is_refused_before_any_process_starts(args, message, tmp_path, monkeypatch, capsys):
+    (tmp_path / "rows.tsv").write_text("")
+    write_synthetic_criteo(tmp_path / "small.tsv", num_rows=100, seed=3)
+    monkeypatch.setattr(bench_cli, "run_on_ranks", _no_process_may_start)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--preset", "demo", *(arg.format(tmp=tmp_path) for arg in args)])
+    assert exit_info.value.code == 2
+    last_line = capsys.readouterr().err.splitlines()[-1]  # after the converter's report, if it converted
+    assert last_line.startswith("error: ") and message.format(tmp=tmp_path) in last_line, last_line
+
+
+def _no_process_may_start(*args, **kwargs):
+    raise AssertionError("a run started")
+
+
+def test_multi_hot_days_give_their_bag_sizes_as_pooling_factors(tmp_path):
+    from app.data.multi_hot import main as to_multi_hot
+    from app.preprocess import main as preprocess
+
+    write_synthetic_criteo(tmp_path / "train.tsv", num_rows=300, seed=5)
+    assert preprocess(["--input", str(tmp_path / "train.tsv"), "--output", str(tmp_path / "npy"), "--workers", "1"]) == 0
+    bags = [1, 2, 3] * 8 + [4, 5]
+    assert to_multi_hot([
+        "--input", str(tmp_path / "npy"), "--output", str(tmp_path / "mh"),
+        "--num_embeddings_per_feature", f"[{','.join(['100'] * 26)}]", "--multi_hot_sizes", f"[{','.join(map(str, bags))}]",
+    ]) == 0  # fmt: skip
+    settings = {"train": str(tmp_path / "mh"), "batch_size": 64, "num_embeddings_per_feature": 100}
+    dataset = read_dataset(settings, world_size=2)
+    assert dataset.pooling_factors == bags and dataset.rows == 300
+    assert dataset.batches_per_epoch == 3  # 300 rows in global batches of 128: 2 full, and 44 rows split in two
+    one = CriteoDataModule(**settings)
+    one.setup("fit")
+    batch = one.datasets["train"][(0, 0)]
+    kjt = batch.sparse_features
+    tensors = (batch.dense_features, batch.labels, batch.row_ids, kjt.values(), kjt.lengths())
+    assert dataset.batch_bytes() == sum(t.numel() * t.element_size() for t in tensors)  # what a batch holds
+
+
+def test_samples_per_s_counts_the_rows_each_step_trained():
+    # A dataset's last batch of an epoch is short: counting it as a full batch would inflate samples/s.
+    stats = step_statistics([0.5, 0.5, 0.25], [1024, 1024, 128])
+    assert stats["samples_per_s_mean"] == pytest.approx(2176 / 1.25)
+    assert stats["samples_per_s_median"] == pytest.approx(2048)

@@ -9,11 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningDataModule, Trainer
 
 from app.bench.data import RandomDataModule
+from app.bench.dataset import open_dataset
 from app.bench.measure import StepClock, StepClockCallback
 from app.bench.settings import BenchSpec
+from app.bench.trained_batches import TrainedBatches, TrainedBatchesCallback
 from app.callbacks import SamplesPerSecond
 from app.module import DLRMModule
 from app.preemption import SaveOnSignal
@@ -21,9 +23,11 @@ from app.strategy import TorchRecStrategy
 
 
 def run_app(
-    spec: BenchSpec, model_overrides: dict[str, Any], clock: StepClock, rank: int, device: torch.device
+    spec: BenchSpec, model_overrides: dict[str, Any], clock: StepClock, trained: TrainedBatches, rank: int,
+    device: torch.device,
 ) -> dict[str, Any]:
-    """Trains ``spec.total_steps`` steps, timed by ``clock``; returns the module and the plan for the report."""
+    """Trains ``spec.total_steps`` steps, timed by ``clock``, each batch trained added to ``trained``;
+    returns the module and the plan for the report."""
     module = DLRMModule(**{**spec.model_args(), **model_overrides})
     trainer = Trainer(
         accelerator=spec.run.accelerator,
@@ -39,9 +43,17 @@ def run_app(
         enable_model_summary=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[SamplesPerSecond(), SaveOnSignal(), StepClockCallback(clock)],
+        callbacks=[SamplesPerSecond(), SaveOnSignal(), StepClockCallback(clock), TrainedBatchesCallback(trained)],
     )
-    trainer.fit(module, datamodule=RandomDataModule(spec.data, spec.total_steps, spec.run.seed + rank))
+    trainer.fit(module, datamodule=_data_module(spec, rank))
     if trainer.global_step != spec.total_steps:
         raise RuntimeError(f"the app trained {trainer.global_step} steps instead of {spec.total_steps}")
     return {"plan": trainer.strategy.sharding_plan, "module": module}
+
+
+def _data_module(spec: BenchSpec, rank: int) -> LightningDataModule:
+    """The app's own Criteo data module for a dataset (Lightning prepares and sets it up; with
+    ``max_epochs=-1``, ``max_steps`` runs through as many epochs as it takes), else random batches."""
+    if spec.dataset is not None:
+        return open_dataset(spec.dataset)
+    return RandomDataModule(spec.data, spec.total_steps, spec.run.seed + rank)

@@ -6,11 +6,17 @@ Examples::
     python -m app.bench --preset gaudi_medium --run.measured_steps 20
     python -m app.bench --config configs/bench/demo.yaml --data.batch_size_per_rank 2048
     python -m app.bench --preset torchrec_reference --app_variants '{"pipelined": {"pipeline": "sparse_dist"}}'
+    python -m app.bench --preset demo --dataset.train data/sample/train.tsv --dataset.batch_size 1024
+    python -m app.bench --preset demo --dataset.split kaggle --dataset.root /data/kaggle/train.txt \
+        --dataset.num_embeddings_per_feature auto --dataset.cache_dir /scratch/criteo_cache
     python -m app.bench --help
 
 ``--preset NAME`` stands for ``--config configs/bench/NAME.yaml`` and, like it, is overridden by the
 arguments after it. Prints one JSON line per run (per side and repeat), then one summary line with
 ``ratio_app_over_raw``: the median over repeats of the app's median samples/s over the plain loop's.
+
+The batches are random (``data.*``) unless ``dataset.train`` or ``dataset.split`` names a Criteo
+dataset in any format the app reads: both sides then train on the batches of the app's data module.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 from torch.multiprocessing.spawn import ProcessException
 
 from app.bench.data import RandomData
+from app.bench.dataset import GROUP_DESCRIPTION, GROUP_TITLE, SKIPPED_SETTINGS, dataset_settings, read_dataset
 from app.bench.launch import run_on_ranks
 from app.bench.measure import step_statistics
-from app.bench.settings import BenchSpec, RunSettings, check_can_run
+from app.bench.settings import BenchSpec, RunSettings, check_can_run, check_run_settings
+from app.data.datamodule import CriteoDataModule
 from app.module import DLRMModule
 from app.strategy import TorchRecStrategy
 
@@ -48,7 +56,9 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--name", type=str, default="custom", help="the benchmark's name in the output")
     parser.add_class_arguments(RunSettings, "run")
     parser.add_class_arguments(RandomData, "data")
-    # Table sizes come from data.rows_per_table; everything else is the app's model, as in `python -m app`.
+    parser.add_class_arguments(CriteoDataModule, "dataset", skip=SKIPPED_SETTINGS, help=GROUP_TITLE)
+    parser.groups["dataset"].description = GROUP_DESCRIPTION  # type: ignore[attr-defined]
+    # Table sizes come from the data; everything else is the app's model, as in `python -m app`.
     parser.add_class_arguments(DLRMModule, "model", skip={"num_embeddings_per_feature"})
     parser.add_class_arguments(TorchRecStrategy, "strategy")
     parser.add_argument(
@@ -80,13 +90,19 @@ def expand_presets(args: list[str]) -> list[str]:
 
 
 def spec_from(config: Namespace) -> BenchSpec:
+    """The run's spec; a dataset is prepared here (raw TSV converted), before any process starts."""
+    settings = dataset_settings(config.dataset.as_dict())
+    run = RunSettings(**config.run.as_dict())
+    if settings is not None:
+        check_run_settings(run)  # before preparing the data, which may take long
     return BenchSpec(
         name=config.name,
-        run=RunSettings(**config.run.as_dict()),
+        run=run,
         data=RandomData(**config.data.as_dict()),
         model=config.model.as_dict(),
         strategy=config.strategy.as_dict(),
         app_variants=dict(config.app_variants or {}),
+        dataset=None if settings is None else read_dataset(settings, run.world_size),
     )
 
 
@@ -129,7 +145,10 @@ def _emit(line: dict[str, Any]) -> dict[str, Any]:
 
 def run_line(spec: BenchSpec, label: str, repeat: int, ranks: list[dict[str, Any]], overrides: dict[str, Any]) -> dict:
     """One run's JSON line: rank 0's step statistics, every rank's memory, and what produced them."""
-    global_batch = spec.data.batch_size_per_rank * spec.run.world_size
+    global_batch = spec.inputs.batch_size_per_rank * spec.run.world_size
+    # Rows trained in each measured step on all ranks (measured step i trains batch warmup_steps + i).
+    measured = slice(spec.run.warmup_steps, spec.run.warmup_steps + spec.run.measured_steps)
+    samples_per_step = [sum(rows) for rows in zip(*(rank["rows_per_step"][measured] for rank in ranks))]
     memory = [
         {"rank": r, **rank["memory"], "growth_over_expected": rank["memory"]["rss_growth_bytes"] / rank["memory"]["expected_bytes"]}
         for r, rank in enumerate(ranks)
@@ -138,7 +157,7 @@ def run_line(spec: BenchSpec, label: str, repeat: int, ranks: list[dict[str, Any
         "bench": spec.name,
         "run": label,
         "repeat": repeat,
-        **step_statistics(ranks[0]["step_times_s"], global_batch),
+        **step_statistics(ranks[0]["step_times_s"], samples_per_step),
         "world_size": spec.run.world_size,
         "global_batch_size": global_batch,
         "warmup_steps": spec.run.warmup_steps,
@@ -146,13 +165,21 @@ def run_line(spec: BenchSpec, label: str, repeat: int, ranks: list[dict[str, Any
         "threads_per_rank": [rank["threads"] for rank in ranks],
         "peak_memory_per_rank": memory,
         "plan": ranks[0]["plan"],
+        "batches_checksum_per_rank": [rank["batches_checksum"] for rank in ranks],
         **({"phases_ms_per_step_rank0": ranks[0]["phases_ms_per_step"]} if ranks[0]["phases_ms_per_step"] else {}),
         "device": device_description(spec),
         "versions": library_versions(),
         "config": {
-            "run": vars(spec.run), "data": vars(spec.data), "model": {**spec.model, **overrides}, "strategy": spec.strategy,
+            "run": vars(spec.run), **_data_config(spec), "model": {**spec.model, **overrides}, "strategy": spec.strategy,
         },
     }  # fmt: skip
+
+
+def _data_config(spec: BenchSpec) -> dict[str, Any]:
+    """The data settings the run used: the dataset's with what reading it found, or the random data's."""
+    if spec.dataset is None:
+        return {"data": vars(spec.data)}
+    return {"dataset": spec.dataset.settings, "dataset_read": spec.dataset.shape()}
 
 
 def summary_line(spec: BenchSpec, lines: list[dict[str, Any]]) -> dict[str, Any]:
@@ -170,6 +197,7 @@ def summary_line(spec: BenchSpec, lines: list[dict[str, Any]]) -> dict[str, Any]
                 summary[key] = statistics.median(per_repeat)
                 summary[f"{key}_per_repeat"] = per_repeat
     summary["same_plan"] = len({line["plan"] for line in lines}) == 1
+    summary["same_batches"] = len({tuple(line["batches_checksum_per_rank"]) for line in lines}) == 1
     # The target is the app's: no rank grows by more than 1.1x what it must hold (tables never duplicated).
     growth = {
         run: max(rank["growth_over_expected"] for line in lines if line["run"] == run for rank in line["peak_memory_per_rank"])

@@ -22,7 +22,7 @@ from app.model.dlrm import NUM_DENSE_FEATURES
 
 @dataclass
 class RandomData:
-    """Shape of the random batches.
+    """Shape of the random batches (ignored when a dataset is given: dataset.train or dataset.split).
 
     Args:
         num_tables: embedding tables, one per categorical feature (the first n of C1..C26).
@@ -45,6 +45,17 @@ class RandomData:
     def pooling_factors(self) -> list[int]:
         return self._per_table(self.ids_per_lookup, "ids_per_lookup")
 
+    def table_setting(self) -> str:
+        """The setting that sized the tables, for messages."""
+        return f"data.rows_per_table = {self.rows_per_table}"
+
+    def batch_bytes(self) -> int:
+        return batch_bytes(self.batch_size_per_rank, self.pooling_factors())
+
+    def mapped_data_bytes(self, steps: int) -> int:
+        """None: the batches are generated in memory (no data files mapped)."""
+        return 0
+
     def _per_table(self, value: int | list[int], name: str) -> list[int]:
         if not 1 <= self.num_tables <= len(DEFAULT_CAT_NAMES):
             raise ValueError(f"data.num_tables = {self.num_tables} must be within 1..{len(DEFAULT_CAT_NAMES)}")
@@ -52,6 +63,13 @@ class RandomData:
         if len(values) != self.num_tables or min(values) < 1:
             raise ValueError(f"data.{name} = {value}: give one positive int, or one per table ({self.num_tables})")
         return values
+
+
+def batch_bytes(batch_size: int, pooling_factors: list[int] | list[float]) -> int:
+    """Bytes of one batch in memory: per row 13 float32 dense features, a float32 label, an int64 row
+    id, and per table its int64 ids and an int32 length."""
+    per_row = NUM_DENSE_FEATURES * 4 + 4 + 8 + 8 * sum(pooling_factors) + 4 * len(pooling_factors)
+    return int(batch_size * per_row)
 
 
 def random_batch(data: RandomData, generator: torch.Generator) -> CriteoBatch:

@@ -22,6 +22,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from app.bench.measure import StepClock, expected_memory_bytes, peak_memory
 from app.bench.phases import StepProfiler
 from app.bench.settings import BenchSpec
+from app.bench.trained_batches import TrainedBatches
 from app.model.dlrm import table_name
 from app.sharding import format_plan
 
@@ -64,16 +65,18 @@ def _worker(
     if run.profile_steps and rank == 0:
         profiler = StepProfiler(Path(run.output_dir) / f"{spec.name}_{label}_rank0.trace.json")
     clock = StepClock(run.warmup_steps, run.measured_steps, device, profiler, run.profile_steps)
+    trained = TrainedBatches()
     # Imported here: each side pays only for its own libraries.
     if side in ("raw", "raw_base"):
         from app.bench.raw_side import run_raw
 
-        result = run_raw(spec, clock, rank, device, overlap=side == "raw")
+        result = run_raw(spec, clock, trained, rank, device, overlap=side == "raw")
     else:
         from app.bench.app_side import run_app
 
-        result = run_app(spec, model_overrides, clock, rank, device)
+        result = run_app(spec, model_overrides, clock, trained, rank, device)
     report = _rank_report(spec, rank, device, clock, result)
+    report.update(rows_per_step=trained.rows_per_step, batches_checksum=trained.checksum())
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
 
 
@@ -85,11 +88,11 @@ def _rank_report(spec: BenchSpec, rank: int, device: torch.device, clock: StepCl
         p.numel() for name, p in in_backward_optimizer_filter(result["module"].named_parameters())
         if not name.startswith(TABLE_PREFIX)
     )  # fmt: skip
-    data = spec.data
-    batch_bytes = data.batch_size_per_rank * (13 * 4 + 4 + 8 + 8 * sum(data.pooling_factors()) + 4 * data.num_tables)
+    inputs = spec.inputs
     expected = expected_memory_bytes(
-        result["plan"], rank, table_shapes, model["sparse_optimizer"], dense_parameters, model["dense_optimizer"], batch_bytes
-    )
+        result["plan"], rank, table_shapes, model["sparse_optimizer"], dense_parameters, model["dense_optimizer"],
+        inputs.batch_bytes(), inputs.mapped_data_bytes(spec.total_steps),
+    )  # fmt: skip
     return {
         "step_times_s": clock.step_times_s(),
         "phases_ms_per_step": clock.phases_ms,

@@ -92,11 +92,12 @@ def peak_memory(device: torch.device, rss_at_setup_bytes: int) -> dict[str, int]
 
 def expected_memory_bytes(
     plan: ShardingPlan, rank: int, table_shapes: dict[str, tuple[int, int]], sparse_optimizer: str,
-    dense_parameters: int, dense_optimizer: str, batch_bytes: int,
+    dense_parameters: int, dense_optimizer: str, batch_bytes: int, mapped_data_bytes: int = 0,
 ) -> int:
     """What rank ``rank`` must hold: its table shards and their optimizer state (a full copy of a
     replicated table, with its gradient), the dense model with its gradients, DDP's gradient buckets
-    and optimizer state, and a few batches."""
+    and optimizer state, a few batches, and the pages of memory-mapped data files it reads (resident
+    memory counts them)."""
     table_elements = row_count = 0
     for module_plan in plan.plan.values():
         for table, sharding in module_plan.items():  # type: ignore[union-attr]
@@ -114,18 +115,19 @@ def expected_memory_bytes(
     if sparse_optimizer == "row_wise_adagrad":
         table_bytes += row_count * _FLOAT32_BYTES
     dense_bytes = dense_parameters * _FLOAT32_BYTES * (3 + _STATE_PER_ELEMENT[dense_optimizer])
-    return table_bytes + dense_bytes + 3 * batch_bytes
+    return table_bytes + dense_bytes + 3 * batch_bytes + mapped_data_bytes
 
 
-def step_statistics(step_times_s: list[float], global_batch_size: int) -> dict[str, float]:
-    """Samples/s (median and mean over measured steps) and step-time percentiles in ms."""
+def step_statistics(step_times_s: list[float], samples_per_step: list[int]) -> dict[str, float]:
+    """Samples/s (median and mean over measured steps) and step-time percentiles in ms; each step's
+    samples are the rows it trained on all ranks (a dataset's last batch of an epoch is short)."""
     if not step_times_s:
         raise ValueError("no measured steps: run.measured_steps must be at least 1")
-    rates = [global_batch_size / t for t in step_times_s]
+    rates = [samples / t for samples, t in zip(samples_per_step, step_times_s)]
     quantiles = statistics.quantiles(step_times_s, n=100, method="inclusive") if len(step_times_s) > 1 else [step_times_s[0]] * 99
     return {
         "samples_per_s_median": statistics.median(rates),
-        "samples_per_s_mean": global_batch_size * len(step_times_s) / sum(step_times_s),
+        "samples_per_s_mean": sum(samples_per_step) / sum(step_times_s),
         "step_ms_p50": quantiles[49] * 1e3,
         "step_ms_p90": quantiles[89] * 1e3,
         "step_ms_p99": quantiles[98] * 1e3,

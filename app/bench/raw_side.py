@@ -6,13 +6,15 @@ one, and ``TrainPipelineSparseDist.progress`` in a loop, overlapping the next ba
 all-to-all with this batch's compute.
 
 It uses the app's model builder, optimizer choices and planner inputs, so that the two sides train
-the same model with the same optimizers under the same plan; none of those involve Lightning.
+the same model with the same optimizers under the same plan; none of those involve Lightning. With a
+dataset it iterates the app's own data module's training loader, epoch after epoch.
 """
 
 from __future__ import annotations
 
 import os
 from datetime import timedelta
+from itertools import islice
 from typing import Any
 
 import torch
@@ -24,8 +26,11 @@ from torchrec.models.dlrm import DLRMTrain
 from torchrec.optim.keyed import CombinedOptimizer
 
 from app.bench.data import random_loader
+from app.bench.dataset import epochs, open_dataset
 from app.bench.measure import StepClock
+from app.data.datamodule import CriteoDataModule
 from app.bench.settings import BenchSpec
+from app.bench.trained_batches import TrainedBatches
 from app.model.dlrm import build_dlrm
 from app.optimizers import build_optimizer, fuse_sparse_optimizer
 from app.sharding import build_constraints, default_sharders, embedding_table_names, plan_sharding
@@ -38,8 +43,11 @@ _MODEL_KEYS = (
 )  # fmt: skip
 
 
-def run_raw(spec: BenchSpec, clock: StepClock, rank: int, device: torch.device, overlap: bool = True) -> dict[str, Any]:
-    """Trains ``spec.total_steps`` steps, timed by ``clock``; returns the model and the plan for the report.
+def run_raw(
+    spec: BenchSpec, clock: StepClock, trained: TrainedBatches, rank: int, device: torch.device, overlap: bool = True
+) -> dict[str, Any]:
+    """Trains ``spec.total_steps`` steps, timed by ``clock``, each batch trained added to ``trained``;
+    returns the model and the plan for the report.
 
     ``overlap=False`` drives the same loop with TorchRec's ``TrainPipelineBase`` (copy, forward,
     backward, step; nothing overlapped), which separates what the overlap gains from what Lightning costs.
@@ -49,6 +57,8 @@ def run_raw(spec: BenchSpec, clock: StepClock, rank: int, device: torch.device, 
     dist.init_process_group(backend, timeout=timedelta(seconds=strategy.get("timeout_s", 1800.0)))
     # As many threads as the app gives its workers, so that the two sides compare like with like.
     set_worker_threads(spec.run.world_size, strategy.get("num_threads_per_process"), os.environ.get("OMP_NUM_THREADS"))
+    # Before the clock's set-up mark, as Lightning sets up the app's data module before its callbacks.
+    dataset = _set_up_dataset(spec)
     clock.mark_setup()
 
     dlrm = build_dlrm(**{key: model_args[key] for key in _MODEL_KEYS}, embedding_device="meta")
@@ -65,7 +75,7 @@ def run_raw(spec: BenchSpec, clock: StepClock, rank: int, device: torch.device, 
         constraints=build_constraints(
             embedding_table_names(train_model), strategy.get("sharding_types"), strategy.get("table_constraints") or {}
         ),
-        batch_size_per_rank=None,  # the app side's data module has no batch_size attribute either
+        batch_size_per_rank=spec.planner_batch_size,  # what the app's strategy reads from its data module
         objective=strategy.get("planner_objective", "performance"),
         process_group=dist.group.WORLD,
     ).plan
@@ -84,10 +94,24 @@ def run_raw(spec: BenchSpec, clock: StepClock, rank: int, device: torch.device, 
     pipeline_class = TrainPipelineSparseDist if overlap else TrainPipelineBase
     pipeline = pipeline_class(model, optimizer, device)
 
-    batches = iter(random_loader(spec.data, spec.total_steps, spec.run.seed + rank))
+    # The loader made here, as Lightning makes the app's after set-up.
+    if dataset is not None:
+        batches = epochs(dataset.train_dataloader())
+    else:
+        batches = iter(random_loader(spec.data, spec.total_steps, spec.run.seed + rank))
+    batches = trained.recording(islice(batches, spec.total_steps))  # the pipeline trains every batch it pulls
     for step in range(spec.total_steps):
         pipeline.progress(batches)
         clock.step_ended()
     dist.destroy_process_group()
     return {"plan": plan, "module": train_model}
 
+
+def _set_up_dataset(spec: BenchSpec) -> CriteoDataModule | None:
+    """The app's data module for a dataset, set up for this rank (from the process group), as the
+    Trainer sets it up on the app's side; None for random batches."""
+    if spec.dataset is None:
+        return None
+    data = open_dataset(spec.dataset)
+    data.setup("fit")  # the parent prepared the data (converted raw TSV) before any process started
+    return data

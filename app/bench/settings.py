@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 
 from app.bench.data import RandomData
+from app.bench.dataset import DatasetInput
 from app.model.dlrm import build_embedding_bag_collection, validate_dlrm_sizes
 from app.optimizers import fuse_sparse_optimizer
 from app.sharding import TableConstraint, validate_fused_optimizer, validate_sharding_request
@@ -33,7 +34,8 @@ class RunSettings:
         sides: which sides run: ``app``; ``raw``, the plain TorchRec loop around TrainPipelineSparseDist
             (the baseline of ``ratio_app_over_raw``); ``raw_base``, the same loop around TorchRec's
             TrainPipelineBase, which overlaps nothing (gives ``ratio_app_over_raw_base``).
-        seed: seed of the model initialisation and of the random data (plus the rank).
+        seed: seed of the model initialisation and of the random data (plus the rank); a dataset
+            shuffles with its own dataset.seed.
         profile_steps: after the measured steps, this many more under the PyTorch profiler on rank 0:
             a trace per run in ``output_dir`` (TensorBoard/Perfetto) and a table of ms per step and phase.
         output_dir: where profiler traces and the app's record of its sharding plan go.
@@ -61,6 +63,18 @@ class BenchSpec:
     model: dict[str, Any]
     strategy: dict[str, Any]
     app_variants: dict[str, dict[str, Any]]
+    dataset: DatasetInput | None = None  # replaces the random data when given
+
+    @property
+    def inputs(self) -> RandomData | DatasetInput:
+        """What both sides train on: the dataset when one is given, else the random batches."""
+        return self.dataset if self.dataset is not None else self.data
+
+    @property
+    def planner_batch_size(self) -> int | None:
+        """The batch size the app's strategy gives the planner (its data module's ``batch_size``; the
+        random data module has none), which the plain loop must give it too for the same plan."""
+        return None if self.dataset is None else self.dataset.batch_size_per_rank
 
     @property
     def total_steps(self) -> int:
@@ -71,20 +85,16 @@ class BenchSpec:
         return "cpu" if self.run.accelerator == "cpu" else "cuda"
 
     def model_args(self) -> dict[str, Any]:
-        """DLRMModule's arguments, table sizes from the data settings."""
-        return {**self.model, "num_embeddings_per_feature": self.data.table_rows()}
+        """DLRMModule's arguments, table sizes from the data (random or read)."""
+        return {**self.model, "num_embeddings_per_feature": self.inputs.table_rows()}
 
 
 def check_can_run(spec: BenchSpec) -> None:
     """Raises a ValueError naming the setting for a configuration that cannot run here."""
-    run = spec.run
-    for name in ("world_size", "warmup_steps", "measured_steps", "repeats"):
-        if getattr(run, name) < 1:
-            raise ValueError(f"run.{name} = {getattr(run, name)} must be at least 1")
-    if run.accelerator == "gpu" and torch.cuda.device_count() < run.world_size:
-        raise ValueError(f"run.accelerator = gpu with run.world_size = {run.world_size}: {torch.cuda.device_count()} GPUs visible")
-    rows = spec.data.table_rows()
-    spec.data.pooling_factors()  # raises for a malformed data.ids_per_lookup
+    check_run_settings(spec.run)
+    rows = spec.inputs.table_rows()
+    if spec.dataset is None:
+        spec.data.pooling_factors()  # raises for a malformed data.ids_per_lookup
     model = spec.model_args()
     validate_dlrm_sizes(model["interaction"], model["embedding_dim"], model["dense_arch_layer_sizes"], model["over_arch_layer_sizes"])
     constraints = {name: TableConstraint(**c) if isinstance(c, dict) else c for name, c in (spec.strategy.get("table_constraints") or {}).items()}
@@ -99,6 +109,15 @@ def check_can_run(spec: BenchSpec) -> None:
                 raise ValueError(f"app_variants.{label}.{key} is not a model setting; model settings: {', '.join(spec.model)}")
 
 
+def check_run_settings(run: RunSettings) -> None:
+    """Raises a ValueError naming the ``run.*`` setting that cannot run here."""
+    for name in ("world_size", "warmup_steps", "measured_steps", "repeats"):
+        if getattr(run, name) < 1:
+            raise ValueError(f"run.{name} = {getattr(run, name)} must be at least 1")
+    if run.accelerator == "gpu" and torch.cuda.device_count() < run.world_size:
+        raise ValueError(f"run.accelerator = gpu with run.world_size = {run.world_size}: {torch.cuda.device_count()} GPUs visible")
+
+
 def _check_tables_fit(spec: BenchSpec, rows: list[int], embedding_dim: int, sparse_optimizer: str) -> None:
     """Tables and their optimizer state must fit in this machine's memory (GPUs: in theirs, together)."""
     bytes_per_element = 4 * (1 + _STATE_PER_ELEMENT[sparse_optimizer])
@@ -111,6 +130,6 @@ def _check_tables_fit(spec: BenchSpec, rows: list[int], embedding_dim: int, spar
         where = "available host memory"
     if needed > available:
         raise ValueError(
-            f"data.rows_per_table = {spec.data.rows_per_table}: the tables with their {sparse_optimizer} state need "
+            f"{spec.inputs.table_setting()}: the tables with their {sparse_optimizer} state need "
             f"{needed / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB of {where}"
         )

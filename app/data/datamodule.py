@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
+import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
@@ -173,7 +174,7 @@ class CriteoDataModule(LightningDataModule):
         error, self._prepare_error = self._prepare_error, None
         if error is not None:
             raise error
-        rank, world_size = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        rank, world_size = self._rank_and_world_size()
         # Under a Trainer, prepare_data has converted (or failed to) before any rank gets here.
         convert = self.trainer is None
         reported: set[tuple[Path, ...]] = set()
@@ -187,6 +188,15 @@ class CriteoDataModule(LightningDataModule):
                 self.num_bad_rows_skipped = skipped
             start, stop = part_rows(files.part, len(source))
             self.datasets[name] = self._rank_batches(name, rows_view(source, start, stop), rank, world_size)
+
+    def _rank_and_world_size(self) -> tuple[int, int]:
+        """This process's place: the Trainer's; outside one, the process group's (a plain training
+        loop, e.g. the bench's, iterating this module's loaders); else a single process."""
+        if self.trainer is not None:
+            return self.trainer.global_rank, self.trainer.world_size
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
 
     def _open(self, name: str, files: SplitFiles, convert: bool) -> tuple[RowSource, int, str | None]:
         """The rows of a split's files, with the number of malformed rows skipped and the first one."""
