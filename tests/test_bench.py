@@ -149,7 +149,7 @@ def test_multi_hot_days_give_their_bag_sizes_as_pooling_factors(tmp_path):
     ]) == 0  # fmt: skip
     settings = {"train": str(tmp_path / "mh"), "batch_size": 64, "num_embeddings_per_feature": 100}
     dataset = read_dataset(settings, world_size=2)
-    assert dataset.pooling_factors == bags and dataset.rows == 300
+    assert dataset.ids_per_lookup == bags and dataset.rows == 300
     assert dataset.batches_per_epoch == 3  # 300 rows in global batches of 128: 2 full, and 44 rows split in two
     one = CriteoDataModule(**settings)
     one.setup("fit")

@@ -56,7 +56,7 @@ class DatasetInput:
     Args:
         settings: CriteoDataModule's arguments as given (``dataset.*``).
         table_sizes: the 26 table sizes the data module resolved (``auto``: read from the data).
-        pooling_factors: ids per lookup of each table, averaged over the first batch: 1 for raw TSV
+        ids_per_lookup: ids per lookup of each table, averaged over the first batch: 1 for raw TSV
             and NumPy days, the bag sizes for multi-hot days.
         rows: training rows.
         batches_per_epoch: batches per rank in one pass over the rows (the last may be short).
@@ -64,7 +64,7 @@ class DatasetInput:
 
     settings: dict[str, Any]
     table_sizes: list[int]
-    pooling_factors: list[float]
+    ids_per_lookup: list[float]
     rows: int
     batches_per_epoch: int
 
@@ -80,19 +80,22 @@ class DatasetInput:
         return f"dataset.num_embeddings_per_feature = {self.settings['num_embeddings_per_feature']}"
 
     def batch_bytes(self) -> int:
-        return batch_bytes(self.batch_size_per_rank, self.pooling_factors)
+        return batch_bytes(self.batch_size_per_rank, self.ids_per_lookup)
+
+    def pooling_factors(self) -> list[float]:
+        return list(self.ids_per_lookup)
 
     def mapped_data_bytes(self, steps: int) -> int:
         """Bytes of the day files one rank reads in ``steps`` steps: memory-mapped, they count in its
         resident memory. An estimate from the stored layout (TorchRec's int64 days hold more)."""
         rows = min(steps, self.batches_per_epoch) * self.batch_size_per_rank
-        return int(rows * (_STORED_BYTES_PER_ROW + _STORED_BYTES_PER_ID * sum(self.pooling_factors)))
+        return int(rows * (_STORED_BYTES_PER_ROW + _STORED_BYTES_PER_ID * sum(self.ids_per_lookup)))
 
     def shape(self) -> dict[str, Any]:
         """What the run line records besides the settings."""
         return {
             "rows": self.rows, "batches_per_epoch_per_rank": self.batches_per_epoch,
-            "table_sizes": self.table_sizes, "ids_per_lookup": self.pooling_factors,
+            "table_sizes": self.table_sizes, "ids_per_lookup": self.ids_per_lookup,
         }  # fmt: skip
 
 
@@ -133,7 +136,7 @@ def read_dataset(settings: dict[str, Any], world_size: int) -> DatasetInput:
     return DatasetInput(
         settings=dict(settings),
         table_sizes=list(data.table_sizes),
-        pooling_factors=lengths.mean(dim=1).tolist(),
+        ids_per_lookup=lengths.mean(dim=1).tolist(),
         rows=rows,
         batches_per_epoch=num_batches(rows, batch_size, world_size, drop_remainder=True),
     )

@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from app.bench.measure import StepClock, expected_memory_bytes, peak_memory
+from app.bench.measure import StepClock, autograd_working_set_bytes, expected_memory_bytes, peak_memory
 from app.bench.phases import StepProfiler
 from app.bench.settings import BenchSpec
 from app.bench.trained_batches import TrainedBatches
@@ -89,9 +89,10 @@ def _rank_report(spec: BenchSpec, rank: int, device: torch.device, clock: StepCl
         if not name.startswith(TABLE_PREFIX)
     )  # fmt: skip
     inputs = spec.inputs
+    step_bytes = autograd_working_set_bytes(model, inputs.batch_size_per_rank, inputs.pooling_factors())
     expected = expected_memory_bytes(
         result["plan"], rank, table_shapes, model["sparse_optimizer"], dense_parameters, model["dense_optimizer"],
-        inputs.batch_bytes(), inputs.mapped_data_bytes(spec.total_steps),
+        inputs.batch_bytes(), step_bytes, inputs.mapped_data_bytes(spec.total_steps),
     )  # fmt: skip
     return {
         "step_times_s": clock.step_times_s(),

@@ -15,9 +15,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 from torchrec.distributed.types import ShardingPlan
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from app.bench.phases import StepProfiler
+from app.model.dlrm import NUM_DENSE_FEATURES, build_dlrm, build_dlrm_arguments
 
 # Optimizer state per table element, as a multiple of the table itself (row-wise Adagrad keeps one
 # value per row, counted separately).
@@ -92,12 +95,13 @@ def peak_memory(device: torch.device, rss_at_setup_bytes: int) -> dict[str, int]
 
 def expected_memory_bytes(
     plan: ShardingPlan, rank: int, table_shapes: dict[str, tuple[int, int]], sparse_optimizer: str,
-    dense_parameters: int, dense_optimizer: str, batch_bytes: int, mapped_data_bytes: int = 0,
+    dense_parameters: int, dense_optimizer: str, batch_bytes: int, step_bytes: int = 0, mapped_data_bytes: int = 0,
 ) -> int:
     """What rank ``rank`` must hold: its table shards and their optimizer state (a full copy of a
     replicated table, with its gradient), the dense model with its gradients, DDP's gradient buckets
-    and optimizer state, a few batches, and the pages of memory-mapped data files it reads (resident
-    memory counts them)."""
+    and optimizer state, a few batches, what a step holds besides (``step_bytes``: activations and
+    their gradients, see autograd_working_set_bytes), and the pages of memory-mapped data files it
+    reads (resident memory counts them)."""
     table_elements = row_count = 0
     for module_plan in plan.plan.values():
         for table, sharding in module_plan.items():  # type: ignore[union-attr]
@@ -115,7 +119,36 @@ def expected_memory_bytes(
     if sparse_optimizer == "row_wise_adagrad":
         table_bytes += row_count * _FLOAT32_BYTES
     dense_bytes = dense_parameters * _FLOAT32_BYTES * (3 + _STATE_PER_ELEMENT[dense_optimizer])
-    return table_bytes + dense_bytes + 3 * batch_bytes + mapped_data_bytes
+    return table_bytes + dense_bytes + 3 * batch_bytes + step_bytes + mapped_data_bytes
+
+
+def autograd_working_set_bytes(model_args: dict[str, Any], batch_size: int, pooling_factors: list[float]) -> int:
+    """Bytes a training step holds besides its inputs: the activations autograd saves for backward and,
+    as much again, their gradients in backward.
+
+    Measured, not modelled: one forward of the same DLRM on a batch of this size, with tables of one
+    row (activation sizes do not depend on table rows) and every id 0, counting the tensors autograd
+    saves other than parameters.
+    """
+    rows = [1] * len(pooling_factors)
+    dlrm = build_dlrm(**build_dlrm_arguments({**model_args, "num_embeddings_per_feature": rows}), embedding_device="cpu")
+    parameters = {p.data_ptr() for p in dlrm.parameters()}
+    saved: dict[tuple[int, int], int] = {}
+
+    def count(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.data_ptr() not in parameters:  # a weight (or its transposed view) is not a buffer
+            saved[(tensor.data_ptr(), tensor.numel())] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    ids_per_row = [max(1, round(p)) for p in pooling_factors]
+    sparse = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(DEFAULT_CAT_NAMES[: len(rows)]),
+        values=torch.zeros(batch_size * sum(ids_per_row), dtype=torch.int64),
+        lengths=torch.tensor(ids_per_row, dtype=torch.int32).repeat_interleave(batch_size),
+    )
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor):
+        dlrm(torch.zeros(batch_size, NUM_DENSE_FEATURES), sparse)
+    return 2 * sum(saved.values())
 
 
 def step_statistics(step_times_s: list[float], samples_per_step: list[int]) -> dict[str, float]:

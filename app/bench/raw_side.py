@@ -31,17 +31,11 @@ from app.bench.measure import StepClock
 from app.data.datamodule import CriteoDataModule
 from app.bench.settings import BenchSpec
 from app.bench.trained_batches import TrainedBatches
-from app.model.dlrm import build_dlrm
+from app.model.dlrm import build_dlrm, build_dlrm_arguments
 from app.optimizers import build_optimizer, fuse_sparse_optimizer
 from app.sharding import build_constraints, default_sharders, embedding_table_names, plan_sharding
 from app.threads import set_worker_threads
 from app.topology import resolve_topology
-
-_MODEL_KEYS = (
-    "interaction", "embedding_dim", "num_embeddings_per_feature", "dense_arch_layer_sizes", "over_arch_layer_sizes",
-    "dcn_num_layers", "dcn_low_rank_dim", "interaction_branch1_layer_sizes", "interaction_branch2_layer_sizes",
-)  # fmt: skip
-
 
 def run_raw(
     spec: BenchSpec, clock: StepClock, trained: TrainedBatches, rank: int, device: torch.device, overlap: bool = True
@@ -61,7 +55,7 @@ def run_raw(
     dataset = _set_up_dataset(spec)
     clock.mark_setup()
 
-    dlrm = build_dlrm(**{key: model_args[key] for key in _MODEL_KEYS}, embedding_device="meta")
+    dlrm = build_dlrm(**build_dlrm_arguments(model_args), embedding_device="meta")
     fuse_sparse_optimizer(dlrm.sparse_arch.parameters(), model_args["sparse_optimizer"], model_args["sparse_learning_rate"])
     train_model = DLRMTrain(dlrm)  # returns (loss, outputs), the interface the pipeline drives
     sharders = default_sharders()

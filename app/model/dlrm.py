@@ -17,8 +17,9 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -107,6 +108,12 @@ def build_embedding_bag_collection(
         for feature, num_embeddings in zip(DEFAULT_CAT_NAMES, num_embeddings_per_feature)
     ]
     return EmbeddingBagCollection(tables=tables, device=torch.device(device))
+
+
+def build_dlrm_arguments(settings: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``settings`` (e.g. DLRMModule's hyper-parameters) that ``build_dlrm`` takes."""
+    accepted = inspect.signature(build_dlrm).parameters
+    return {name: value for name, value in settings.items() if name in accepted}
 
 
 def build_dlrm(
