@@ -26,6 +26,7 @@ from app.data.datamodule import CriteoDataModule
 from app.health import RankHealth
 from app.module import DLRMModule
 from app.preemption import SaveOnSignal
+from app.strategy import TorchRecStrategy
 
 # Errors a user causes with a setting or a file: shown as one line, not a traceback.
 _USER_ERRORS = (ValueError, FileNotFoundError)
@@ -63,6 +64,11 @@ class DLRMCLI(LightningCLI):
             init_args = getattr(logger, "init_args", None)
             if init_args is not None and "save_dir" in init_args and init_args.save_dir is None:
                 init_args.save_dir = root
+
+    def instantiate_classes(self) -> None:
+        super().instantiate_classes()
+        if isinstance(self.trainer.strategy, TorchRecStrategy):
+            self.trainer.strategy.check_before_launch(self.trainer, self.model)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         if config.get("enable_checkpointing") is False:

@@ -56,8 +56,15 @@ def join_process_group(
         timeout=timedelta(seconds=timeout_s),
         **kwargs,
     )
-    if backend == "nccl":
-        atexit.register(dist.destroy_process_group)  # torch warns about NCCL groups left at exit
+    # Before the interpreter shuts down: torch warns about NCCL groups left at exit, and gloo's worker
+    # threads torn down during finalisation can abort the process ("terminate called without an active
+    # exception", SIGABRT), which a validate run on 2 CPU processes hit once at its very end.
+    atexit.register(_destroy_process_group)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _connect(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> dist.Store:

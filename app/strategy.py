@@ -213,6 +213,12 @@ class TorchRecStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
+    def check_before_launch(self, trainer: Trainer, module: LightningModule) -> None:
+        """The set-up checks that need no process group, for the CLI to run before any worker starts, so
+        that a refused setting costs no launch; ``setup`` runs them again for every other caller."""
+        self._reject_settings_fused_updates_cannot_honour(trainer)
+        validate_fused_optimizer(module, self.root_device.type)
+
     def _reject_settings_fused_updates_cannot_honour(self, trainer: Trainer) -> None:
         # The sparse optimizer updates the tables inside backward, so nothing can happen between
         # backward and step: no accumulation, no loss scaling of fp16.

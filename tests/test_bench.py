@@ -164,3 +164,17 @@ def test_samples_per_s_counts_the_rows_each_step_trained():
     stats = step_statistics([0.5, 0.5, 0.25], [1024, 1024, 128])
     assert stats["samples_per_s_mean"] == pytest.approx(2176 / 1.25)
     assert stats["samples_per_s_median"] == pytest.approx(2048)
+
+
+def test_a_steps_working_set_is_measured_on_the_model_and_scales_with_the_batch():
+    from app.bench.measure import autograd_working_set_bytes
+
+    model = {"interaction": "dot", "embedding_dim": 8, "dense_arch_layer_sizes": [32, 8], "over_arch_layer_sizes": [16, 1]}
+    one_id, two_ids = autograd_working_set_bytes(model, 64, [1.0] * 26), autograd_working_set_bytes(model, 64, [2.0] * 26)
+    # Saved activations are per row (a few index tensors hold one element more): twice the rows, twice
+    # the bytes, to 2 %; weights are never counted.
+    assert autograd_working_set_bytes(model, 128, [1.0] * 26) == pytest.approx(2 * one_id, rel=0.02)
+    # The bottom MLP alone saves its input and both layers' outputs (64 x (13 + 32 + 8) float32),
+    # counted twice (activations, then their gradients): a lower bound of the whole step.
+    assert one_id > 2 * 64 * (13 + 32 + 8) * 4
+    assert two_ids >= one_id  # larger bags never need less

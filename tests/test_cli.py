@@ -73,8 +73,9 @@ def test_configs_name_no_output_path_but_the_run_folder(config):
         (["--data.num_embeddings_per_feature", "[1, 2, 3]"], "num_embeddings_per_feature has 3 sizes; give 26"),
         (["--data.train", "no/such/file.tsv"], "data.train: data file or directory 'no/such/file.tsv' does not exist"),
         (["--model.dense_arch_layer_sizes", "[64, 8]"], "model.dense_arch_layer_sizes = [64, 8] must end with"),
-        (["--trainer.accumulate_grad_batches", "2"], None),  # checked at set-up: see test_train.py
-    ][:-1],
+        (["--trainer.accumulate_grad_batches", "2"], "trainer.accumulate_grad_batches = 2: the embedding optimizer is fused"),
+        (["--model.sparse_optimizer", "adam"], "model.sparse_optimizer: Adam has no CPU embedding kernel in FBGEMM"),
+    ],
 )
 def test_bad_settings_stop_before_any_worker_with_one_line(args, message, sample_dir, capsys):
     base = ["fit", "--config", "configs/demo.yaml", "--data.train", str(sample_dir / "train.tsv"), "--data.val", "null"]
