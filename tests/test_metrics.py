@@ -92,7 +92,7 @@ def _evaluated_predictions(cli) -> dict:
     return {"logged": logged, "binned": binned, "row_ids": row_ids, "probabilities": probabilities, "labels": labels}
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [3])  # 301 rows split unevenly over 3 ranks and their batches
 def test_distributed_metrics_equal_one_process_metrics_of_the_same_predictions(world_size, tmp_path):
     val = tmp_path / "val.tsv"
     write_synthetic_criteo(val, num_rows=301, seed=12)  # 301 rows: uneven over 2 and 3 ranks and batches of 64

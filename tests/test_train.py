@@ -178,7 +178,7 @@ def day_folders(tmp_path_factory) -> dict[str, Path]:
     [
         pytest.param(["--data.train", "{train_npy}", "--data.val", "{val_npy}"], id="numpy"),
         pytest.param(["--data.train", "{train_mh}", "--data.val", "{val_mh}", "--model.interaction", "dcn",
-                      "--model.dcn_num_layers", "2", "--model.dcn_low_rank_dim", "16", "--trainer.max_epochs", "2"],
+                      "--model.dcn_num_layers", "2", "--model.dcn_low_rank_dim", "16"],
                      id="multi_hot"),  # fmt: skip
         pytest.param(["--data.split", "kaggle", "--data.root", "{kaggle}"], id="kaggle_split"),
     ],
