@@ -93,6 +93,7 @@ def _rank_report(spec: BenchSpec, rank: int, device: torch.device, clock: StepCl
     expected = expected_memory_bytes(
         result["plan"], rank, table_shapes, model["sparse_optimizer"], dense_parameters, model["dense_optimizer"],
         inputs.batch_bytes(), step_bytes, inputs.mapped_data_bytes(spec.total_steps),
+        inputs.batch_size_per_rank * spec.run.world_size,
     )  # fmt: skip
     return {
         "step_times_s": clock.step_times_s(),

@@ -96,13 +96,15 @@ def peak_memory(device: torch.device, rss_at_setup_bytes: int) -> dict[str, int]
 def expected_memory_bytes(
     plan: ShardingPlan, rank: int, table_shapes: dict[str, tuple[int, int]], sparse_optimizer: str,
     dense_parameters: int, dense_optimizer: str, batch_bytes: int, step_bytes: int = 0, mapped_data_bytes: int = 0,
+    global_batch_size: int = 0,
 ) -> int:
     """What rank ``rank`` must hold: its table shards and their optimizer state (a full copy of a
     replicated table, with its gradient), the dense model with its gradients, DDP's gradient buckets
     and optimizer state, a few batches, what a step holds besides (``step_bytes``: activations and
-    their gradients, see autograd_working_set_bytes), and the pages of memory-mapped data files it
-    reads (resident memory counts them)."""
-    table_elements = row_count = 0
+    their gradients, see autograd_working_set_bytes), the pooled lookups its shards compute for the
+    whole global batch and their gradients (the all-to-all's send and receive buffers), and the pages
+    of memory-mapped data files it reads (resident memory counts them)."""
+    table_elements = row_count = sharded_columns = 0
     for module_plan in plan.plan.values():
         for table, sharding in module_plan.items():  # type: ignore[union-attr]
             rows, cols = table_shapes[table]
@@ -115,11 +117,13 @@ def expected_memory_bytes(
                     rows, cols = shard.shard_sizes
                     table_elements += rows * cols
                     row_count += rows
+                    sharded_columns += cols
     table_bytes = table_elements * _FLOAT32_BYTES * (1 + _STATE_PER_ELEMENT[sparse_optimizer])
     if sparse_optimizer == "row_wise_adagrad":
         table_bytes += row_count * _FLOAT32_BYTES
     dense_bytes = dense_parameters * _FLOAT32_BYTES * (3 + _STATE_PER_ELEMENT[dense_optimizer])
-    return table_bytes + dense_bytes + 3 * batch_bytes + step_bytes + mapped_data_bytes
+    lookup_bytes = 2 * global_batch_size * sharded_columns * _FLOAT32_BYTES
+    return table_bytes + dense_bytes + 3 * batch_bytes + step_bytes + lookup_bytes + mapped_data_bytes
 
 
 def autograd_working_set_bytes(model_args: dict[str, Any], batch_size: int, pooling_factors: list[float]) -> int:
