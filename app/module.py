@@ -59,8 +59,8 @@ class DLRMModule(LightningModule):
             all-to-all of the next batch while this one computes; the same results as ``none``,
             bit for bit. ``semi_sync`` (GPUs only): TorchRec's TrainPipelineSemiSync, which also
             looks up the next batch's embeddings before this batch updates them (one update of
-            lag, from ``semi_sync_start_step`` on). ``auto``: ``sparse_dist`` on GPUs, and on CPU too (measured
-            no slower there, see app/pipeline.py).
+            lag, from ``semi_sync_start_step`` on). ``auto``: ``sparse_dist`` on GPUs, ``none`` on CPU (measured
+            faster there, see app/pipeline.py).
         semi_sync_start_step: batches trained synchronously (counted from the start of this
             process) before ``semi_sync`` lets lookups lag; TorchRec's default is 900.
         lr_warmup_steps: steps of linear learning-rate warm-up from base/steps to base (0: none).

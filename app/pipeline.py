@@ -39,13 +39,15 @@ from app.data.loader import ResumableBatchLoader
 Pipeline = Literal["auto", "none", "sparse_dist", "semi_sync"]
 PIPELINES = ("auto", "none", "sparse_dist", "semi_sync")
 
-# CPU choice, measured 2026-11-23 on the shared 2-core machine (load average 14-16 from other jobs):
-# `python -m app fit` on 2 processes (gloo, OMP_NUM_THREADS=1), 26 tables x 100,000 rows x 64,
-# bottom 512-256-64, top 512-512-256-1, Adagrad, batch 512 per process, samples/s over steps 21-40,
-# five runs of each alternated: none 1,044-2,895 (median 1,820, mean 2,001), sparse_dist 1,073-2,751
-# (median 2,448, mean 2,150); sparse_dist / none 1.35 by medians, 1.07 by means, pairs 0.68-1.63.
-# Not slower within that noise and bit-identical in results, so CPU pipelines too.
-CPU_DEFAULT_PIPELINE = "sparse_dist"
+# CPU choice, measured 2026-11-23 on the 2-core machine with `python -m app.bench` (torchrec_reference:
+# 2 gloo processes of 1 thread, 26 tables x 100,000 x 64, batch 512 per process, 5 alternating repeats
+# of 200 measured steps, after the per-step logging and SIGTERM broadcast were removed): the plain
+# loop ran at 1.02x TorchRec's pipelined raw loop (median of pairs 0.92-1.15), the app's sparse_dist
+# at 0.93x (0.86-1.01). On CPU the overlapped all-to-all runs in gloo's thread on the same cores as
+# the compute, so there is nothing to hide it behind, and the pipeline's bookkeeping is pure cost.
+# (An earlier measurement on a machine loaded by other jobs had favoured sparse_dist; it predates
+# those fixes.) Results are bit-identical either way.
+CPU_DEFAULT_PIPELINE = "none"
 
 
 def check_pipeline(name: str) -> None:
@@ -55,7 +57,7 @@ def check_pipeline(name: str) -> None:
 
 
 def resolve_pipeline(name: str, device: torch.device) -> str:
-    """The pipeline ``auto`` stands for on ``device``: sparse_dist wherever it is the faster one."""
+    """The pipeline ``auto`` stands for on ``device``: sparse_dist where it is the faster one (GPUs)."""
     if name == "semi_sync" and device.type == "cpu":
         # TorchRec records CUDA streams on the batch and on its own embedding contexts there.
         raise ValueError(
