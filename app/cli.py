@@ -67,8 +67,12 @@ class DLRMCLI(LightningCLI):
 
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
+        # Before Lightning starts the other ranks: a refused setting or a missing file then costs no
+        # launch, and leaves no worker behind.
         if isinstance(self.trainer.strategy, TorchRecStrategy):
             self.trainer.strategy.check_before_launch(self.trainer, self.model)
+        if self.subcommand and self.trainer.global_rank == 0 and isinstance(self.datamodule, CriteoDataModule):
+            self.datamodule.check_inputs(self.subcommand)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         if config.get("enable_checkpointing") is False:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,18 @@ def test_bad_settings_stop_before_any_worker_with_one_line(args, message, sample
     err = capsys.readouterr().err
     assert "error: " in err and message in err
     assert "Traceback" not in err
+    # Lightning starts the other ranks by running this process's command again (here: pytest).
+    assert _child_processes() == [], "a worker was started before the setting was refused"
+
+
+def _child_processes() -> list[str]:
+    """Command lines of this process's living children (Linux /proc)."""
+    children = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+            if int(fields.get("PPid", "0")) == os.getpid() and not fields.get("State", "").startswith("Z"):
+                children.append((status.parent / "cmdline").read_text().replace("\0", " "))
+        except (OSError, ValueError):
+            continue  # the process ended while being read
+    return children

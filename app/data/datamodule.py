@@ -154,6 +154,14 @@ class CriteoDataModule(LightningDataModule):
     def _cache_request(self, files: SplitFiles) -> CacheRequest:
         return CacheRequest(files.files, self.dense_transform, self.on_bad_rows, self.cache_dir, self.cache_workers)
 
+    def check_inputs(self, stage: str) -> None:
+        """Raises FileNotFoundError naming the setting for an input of ``stage`` that does not exist.
+
+        For the CLI to call before any worker starts (on global rank 0, which always reads the
+        inputs); otherwise the error would come from ``prepare_data``, after the launch.
+        """
+        self._files(stage)
+
     def _files(self, stage: str) -> dict[str, SplitFiles]:
         return split_files(self.specs, self.split, self.root, self.format, SPLITS_BY_STAGE[stage])
 
