@@ -59,8 +59,9 @@ class DLRMModule(LightningModule):
             all-to-all of the next batch while this one computes; the same results as ``none``,
             bit for bit. ``semi_sync`` (GPUs only): TorchRec's TrainPipelineSemiSync, which also
             looks up the next batch's embeddings before this batch updates them (one update of
-            lag, from ``semi_sync_start_step`` on). ``auto``: ``sparse_dist`` on GPUs, ``none`` on CPU (measured
-            faster there, see app/pipeline.py).
+            lag, from ``semi_sync_start_step`` on). ``auto``: ``sparse_dist`` on GPUs and on CPU with more than
+            one process (measured the faster one there), ``none`` on one CPU process, which has no
+            all-to-all to overlap (see app/pipeline.py).
         semi_sync_start_step: batches trained synchronously (counted from the start of this
             process) before ``semi_sync`` lets lookups lag; TorchRec's default is 900.
         lr_warmup_steps: steps of linear learning-rate warm-up from base/steps to base (0: none).
@@ -130,12 +131,15 @@ class DLRMModule(LightningModule):
         return self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
 
     def setup(self, stage: str) -> None:
-        # Known only once the trainer exists: the device decides what "auto" means. A pipelined step
+        # Known only once the trainer exists: the device and world size decide what "auto" means. A pipelined step
         # receives Lightning's dataloader_iter (Lightning reads the signature of training_step).
-        if stage == "fit" and resolve_pipeline(self.hparams.pipeline, self.trainer.strategy.root_device) != "none":
+        if stage == "fit" and self._resolved_pipeline() != "none":
             self.automatic_optimization = False
             self.training_step = self.pipelined_training_step  # type: ignore[method-assign]
             self.training_step_calls_model = True  # read by the strategy: no DMP forward around the step
+
+    def _resolved_pipeline(self) -> str:
+        return resolve_pipeline(self.hparams.pipeline, self.trainer.strategy.root_device, self.trainer.world_size)
 
     def training_step(self, batch: CriteoBatch, batch_idx: int) -> torch.Tensor:
         loss = click_loss(self(batch), batch)
@@ -145,8 +149,7 @@ class DLRMModule(LightningModule):
     def pipelined_training_step(self, dataloader_iter: Any) -> torch.Tensor:
         """One batch through TorchRec's training pipeline (``model.pipeline``), which also steps the optimizers."""
         if self._pipelined is None:
-            name = resolve_pipeline(self.hparams.pipeline, self.trainer.strategy.root_device)
-            self._pipelined = PipelinedTraining(name, self, click_loss, self.hparams.semi_sync_start_step)
+            self._pipelined = PipelinedTraining(self._resolved_pipeline(), self, click_loss, self.hparams.semi_sync_start_step)
         loss, batch = self._pipelined.step(dataloader_iter)
         self._log_training_step(loss, batch)  # with the rates this step trained with, as in the plain loop
         step_lr_schedulers(self, "step")

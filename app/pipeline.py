@@ -40,14 +40,14 @@ Pipeline = Literal["auto", "none", "sparse_dist", "semi_sync"]
 PIPELINES = ("auto", "none", "sparse_dist", "semi_sync")
 
 # CPU choice, measured 2026-11-23 on the 2-core machine with `python -m app.bench` (torchrec_reference:
-# 2 gloo processes of 1 thread, 26 tables x 100,000 x 64, batch 512 per process, 5 alternating repeats
-# of 200 measured steps, after the per-step logging and SIGTERM broadcast were removed): the plain
-# loop ran at 1.02x TorchRec's pipelined raw loop (median of pairs 0.92-1.15), the app's sparse_dist
-# at 0.93x (0.86-1.01). On CPU the overlapped all-to-all runs in gloo's thread on the same cores as
-# the compute, so there is nothing to hide it behind, and the pipeline's bookkeeping is pure cost.
-# (An earlier measurement on a machine loaded by other jobs had favoured sparse_dist; it predates
-# those fixes.) Results are bit-identical either way.
-CPU_DEFAULT_PIPELINE = "none"
+# 2 gloo processes of 1 thread, 26 tables x 100,000 x 64, batch 512 per process), pooled over 5 bench
+# runs of 4-8 alternating repeats, each ratio taken against TorchRec's pipelined raw loop run next to
+# it: the app's sparse_dist 1.00 (median of 22 pairs, quartiles 0.96-1.04), Lightning's plain loop
+# 0.96 (28 pairs, quartiles 0.92-1.04). Single runs disagree (pairs vary by +-10 % on this shared
+# machine; one 5-repeat run had favoured the plain loop), the pool does not: even on CPU, starting the
+# next batch's input all-to-all early saves more than the pipeline's bookkeeping costs, and the
+# pipelined step runs fewer Lightning hooks (no closure). Results are bit-identical either way.
+CPU_DEFAULT_PIPELINE = "sparse_dist"
 
 
 def check_pipeline(name: str) -> None:
@@ -56,8 +56,9 @@ def check_pipeline(name: str) -> None:
         raise ValueError(f"model.pipeline = {name!r} is not one of {', '.join(PIPELINES)}")
 
 
-def resolve_pipeline(name: str, device: torch.device) -> str:
-    """The pipeline ``auto`` stands for on ``device``: sparse_dist where it is the faster one (GPUs)."""
+def resolve_pipeline(name: str, device: torch.device, world_size: int) -> str:
+    """The pipeline ``auto`` stands for on ``device`` with ``world_size`` processes: sparse_dist
+    wherever there is something to overlap (GPUs; CPU with an input all-to-all), else none."""
     if name == "semi_sync" and device.type == "cpu":
         # TorchRec records CUDA streams on the batch and on its own embedding contexts there.
         raise ValueError(
@@ -69,8 +70,13 @@ def resolve_pipeline(name: str, device: torch.device) -> str:
     if name != "auto":
         return name
     # GPUs: the input all-to-all and host-to-device copies run on their own streams, hidden behind
-    # compute. CPU: see CPU_DEFAULT_PIPELINE for the measured choice.
-    return "sparse_dist" if device.type in ("cuda", "mtia") else CPU_DEFAULT_PIPELINE
+    # compute. CPU: see CPU_DEFAULT_PIPELINE for the measured choice (kept apart so that a new
+    # measurement can change it in one place). One CPU process has no all-to-all and no copy to
+    # hide: the pipeline's bookkeeping alone, 0.3-0.4 ms per step (`python -m app.bench --preset
+    # overhead`: TorchRec's pipelined loop 2.1-2.2 ms against its plain loop 1.7-1.9 ms).
+    if device.type in ("cuda", "mtia"):
+        return "sparse_dist"
+    return CPU_DEFAULT_PIPELINE if world_size > 1 else "none"
 
 
 def _semi_sync_class() -> type[TrainPipelineSparseDist]:

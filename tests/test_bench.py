@@ -15,6 +15,7 @@ from app.bench import cli as bench_cli
 from app.bench.cli import main
 from app.bench.dataset import read_dataset
 from app.bench.measure import step_statistics
+from app.bench.settings import check_can_run
 from app.bench.trained_batches import TrainedBatches
 from app.data.datamodule import CriteoDataModule
 from app.data.dataset import CriteoBatches
@@ -45,7 +46,16 @@ def test_make_bench_prints_a_json_line_per_run_and_the_ratio(tmp_path):
     summary = lines[2]
     assert summary["summary"] is True and summary["same_plan"] is True and summary["same_batches"] is True
     assert summary["ratio_app_over_raw"] == pytest.approx(lines[0]["samples_per_s_median"] / lines[1]["samples_per_s_median"])
+    assert summary["step_ms_p50_app_minus_raw"] == pytest.approx(lines[0]["step_ms_p50"] - lines[1]["step_ms_p50"])
     assert (tmp_path / "sharding_plan.json").is_file()  # the app's record of its plan, in the bench's folder
+
+
+@pytest.mark.parametrize("preset", sorted(path.stem for path in bench_cli.PRESETS_DIR.glob("*.yaml")))
+def test_every_preset_parses_and_can_run_here(preset):
+    # The checks made before any process starts; a preset that names a removed setting fails here.
+    spec = bench_cli.spec_from(bench_cli.build_parser().parse_args(bench_cli.expand_presets(["--preset", preset])))
+    assert spec.name == preset
+    check_can_run(spec)
 
 
 @pytest.mark.parametrize(

@@ -131,8 +131,22 @@ def test_train_loss_is_written_every_n_steps_as_the_mean_since_the_last_write(pl
 def test_semi_sync_is_refused_on_cpu_and_unknown_pipelines_name_the_setting():
     # TorchRec's semi-sync pipeline records CUDA streams; on CPU it fails deep inside the first step.
     with pytest.raises(ValueError, match="model.pipeline = semi_sync needs GPUs"):
-        resolve_pipeline("semi_sync", torch.device("cpu"))
-    assert resolve_pipeline("semi_sync", torch.device("cuda", 0)) == "semi_sync"
-    assert resolve_pipeline("auto", torch.device("cuda", 0)) == "sparse_dist"
+        resolve_pipeline("semi_sync", torch.device("cpu"), 2)
+    assert resolve_pipeline("semi_sync", torch.device("cuda", 0), 1) == "semi_sync"
     with pytest.raises(ValueError, match="model.pipeline = 'sparse' is not one of auto, none, sparse_dist, semi_sync"):
         DLRMModule(pipeline="sparse")
+
+
+@pytest.mark.parametrize(
+    ("device", "world_size", "expected"),
+    [
+        ("cuda", 1, "sparse_dist"),  # the host-to-device copy to overlap
+        ("cuda", 8, "sparse_dist"),
+        ("cpu", 2, "sparse_dist"),  # the input all-to-all to overlap (measured faster, app/pipeline.py)
+        ("cpu", 1, "none"),  # nothing to overlap: the pipeline's bookkeeping alone
+    ],
+)
+def test_auto_pipelines_wherever_there_is_something_to_overlap(device, world_size, expected):
+    assert resolve_pipeline("auto", torch.device(device), world_size) == expected
+    assert resolve_pipeline("none", torch.device(device), world_size) == "none"
+

@@ -183,10 +183,14 @@ def _data_config(spec: BenchSpec) -> dict[str, Any]:
 
 
 def summary_line(spec: BenchSpec, lines: list[dict[str, Any]]) -> dict[str, Any]:
-    """The ratios of each app run over the plain loop (median over repeats of per-repeat ratios)."""
+    """The ratios of each app run over the plain loop (median over repeats of per-repeat ratios), and
+    the milliseconds each app step takes beyond the plain loop's (median over repeats of the
+    difference of step-time medians: what Lightning adds per step, where the model is small)."""
     by_run: dict[str, list[float]] = {}
+    step_ms_by_run: dict[str, list[float]] = {}
     for line in lines:
         by_run.setdefault(line["run"], []).append(line["samples_per_s_median"])
+        step_ms_by_run.setdefault(line["run"], []).append(line["step_ms_p50"])
     summary: dict[str, Any] = {"bench": spec.name, "summary": True}
     summary.update({f"{run}_samples_per_s_median": statistics.median(rates) for run, rates in by_run.items()})
     for baseline in ("raw", "raw_base"):
@@ -196,6 +200,8 @@ def summary_line(spec: BenchSpec, lines: list[dict[str, Any]]) -> dict[str, Any]
                 key = f"ratio_{run}_over_{baseline}"
                 summary[key] = statistics.median(per_repeat)
                 summary[f"{key}_per_repeat"] = per_repeat
+                extra_ms = [a - r for a, r in zip(step_ms_by_run[run], step_ms_by_run[baseline])]
+                summary[f"step_ms_p50_{run}_minus_{baseline}"] = statistics.median(extra_ms)
     summary["same_plan"] = len({line["plan"] for line in lines}) == 1
     summary["same_batches"] = len({tuple(line["batches_checksum_per_rank"]) for line in lines}) == 1
     # The target is the app's: no rank grows by more than 1.1x what it must hold (tables never duplicated).
