@@ -72,8 +72,9 @@ def resolve_pipeline(name: str, device: torch.device, world_size: int) -> str:
     # GPUs: the input all-to-all and host-to-device copies run on their own streams, hidden behind
     # compute. CPU: see CPU_DEFAULT_PIPELINE for the measured choice (kept apart so that a new
     # measurement can change it in one place). One CPU process has no all-to-all and no copy to
-    # hide: the pipeline's bookkeeping alone, 0.3-0.4 ms per step (`python -m app.bench --preset
-    # overhead`: TorchRec's pipelined loop 2.1-2.2 ms against its plain loop 1.7-1.9 ms).
+    # hide: the pipeline's bookkeeping alone, about 0.45 ms per step (`python -m app.bench --preset
+    # overhead`, medians of 9 runs: TorchRec's pipelined loop 2.30 ms a step against its plain loop
+    # 1.85 ms; the app's sparse_dist 3.12 ms against its plain loop 2.66 ms).
     if device.type in ("cuda", "mtia"):
         return "sparse_dist"
     return CPU_DEFAULT_PIPELINE if world_size > 1 else "none"
