@@ -18,6 +18,7 @@ from app.optimizers import DenseOptimizer, SparseOptimizer, build_optimizer, che
 from app.pipeline import (
     Pipeline,
     PipelinedTraining,
+    carry_step_count,
     check_pipeline,
     click_loss,
     resolve_pipeline,
@@ -166,6 +167,10 @@ class DLRMModule(LightningModule):
         self.log("train/loss", self._train_loss.pop(), prog_bar=True, batch_size=batch.labels.numel())
         if not self.lr_schedule.is_constant:
             self._log_learning_rates()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning restores its loops after this hook: a checkpoint of the other loop keeps its step.
+        carry_step_count(checkpoint, self.automatic_optimization)
 
     def on_validation_start(self) -> None:
         if self._pipelined is not None:

@@ -18,6 +18,10 @@ themselves, which is why a pipelined module uses Lightning's manual optimization
   detached before every evaluation and at the end of fit, and re-attached for the next step.
 - The optimizer it steps is Lightning's ``LightningOptimizer``: each step advances ``global_step``
   exactly once, and the fused embedding update stays inside backward, once per batch.
+- Lightning counts the steps of manual optimization (a pipelined step) and of automatic
+  optimization (the plain loop) apart, and ``global_step`` reads only the running mode's count. A
+  checkpoint resumed with the other loop (``model.pipeline`` changed, or ``auto`` choosing another on
+  another world size) would restart at step 0: ``carry_step_count`` moves the count across on load.
 """
 
 from __future__ import annotations
@@ -235,6 +239,26 @@ class PipelinedTraining:
         self.pause()
         self.pipeline.reset()
         self._feed = None
+
+
+_AUTOMATIC_STEPS = "epoch_loop.automatic_optimization.optim_progress"
+_MANUAL_STEPS = "epoch_loop.manual_optimization.optim_step_progress"
+
+
+def carry_step_count(checkpoint: dict[str, Any], automatic_optimization: bool) -> None:
+    """Puts the optimizer steps a checkpoint counted under either optimization mode into the mode this
+    run uses (in place, before Lightning restores its loops), so that ``global_step``, ``max_steps``,
+    step-based checkpoints and the learning-rate schedule continue where the checkpoint stopped."""
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    if _AUTOMATIC_STEPS not in fit_loop or _MANUAL_STEPS not in fit_loop:
+        return  # not a training checkpoint of this Lightning's loops (e.g. an exported model)
+    automatic = fit_loop[_AUTOMATIC_STEPS]["optimizer"]["step"]  # {"total"/"current": {"ready", "completed"}}
+    manual = fit_loop[_MANUAL_STEPS]
+    kept, emptied = (automatic, manual) if automatic_optimization else (manual, automatic)
+    for scope in ("total", "current"):
+        for field in ("ready", "completed"):
+            kept[scope][field] += emptied[scope][field]
+            emptied[scope][field] = 0
 
 
 def click_loss(logits: torch.Tensor, batch: CriteoBatch) -> torch.Tensor:

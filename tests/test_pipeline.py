@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from app.module import DLRMModule
-from app.pipeline import resolve_pipeline
+from app.pipeline import carry_step_count, resolve_pipeline
 from multiprocess import run_on_ranks
 from test_sharding import fit_args, shards_and_predictions
 
@@ -72,6 +72,7 @@ def sparse_dist(sample, tmp_path_factory) -> dict:
     args = pipeline_args(sample, root, "sparse_dist")
     args[args.index("--trainer.enable_checkpointing") + 1] = "true"
     ranks = run_on_ranks(2, args + every_9_steps, root, probed)
+    assert sorted(p.name for p in (root / "checkpoints").glob("*.ckpt")) == ["step=9.ckpt"]
     return {"ranks": ranks, "args": args, "checkpoints": root / "checkpoints"}
 
 
@@ -103,10 +104,16 @@ def test_validation_mid_epoch_neither_loses_nor_repeats_a_training_batch(plain, 
     assert val_rows == list(range(VAL_ROWS))
 
 
-def test_a_mid_epoch_checkpoint_resumes_to_where_the_uninterrupted_run_ended(sparse_dist, tmp_path):
+@pytest.mark.parametrize("resumed_pipeline", ["sparse_dist", "none"])
+def test_a_mid_epoch_checkpoint_resumes_to_where_the_uninterrupted_run_ended(sparse_dist, resumed_pipeline, tmp_path):
+    # Resumed with the plain loop too: Lightning counts the pipelined (manual) steps apart from the
+    # plain loop's (automatic), and without carry_step_count that run restarted at global_step 0.
     checkpoints = sparse_dist["checkpoints"]
-    assert sorted(p.name for p in checkpoints.glob("*.ckpt")) == ["step=9.ckpt"]
-    resumed = run_on_ranks(2, sparse_dist["args"] + ["--ckpt_path", str(checkpoints / "step=9.ckpt")], tmp_path, probed)
+    args = list(sparse_dist["args"])
+    args[args.index("--model.pipeline") + 1] = resumed_pipeline
+    for setting in ("--trainer.default_root_dir", "--trainer.logger.init_args.save_dir"):
+        args[args.index(setting) + 1] = str(tmp_path)  # its own folder: the writer's keeps only its own files
+    resumed = run_on_ranks(2, args + ["--ckpt_path", str(checkpoints / "step=9.ckpt")], tmp_path, probed)
     for rank in range(2):
         uninterrupted = sparse_dist["ranks"][rank]
         # The resumed run trains steps 10..17 on the batches the uninterrupted run trained there.
@@ -150,3 +157,31 @@ def test_auto_pipelines_wherever_there_is_something_to_overlap(device, world_siz
     assert resolve_pipeline("auto", torch.device(device), world_size) == expected
     assert resolve_pipeline("none", torch.device(device), world_size) == "none"
 
+
+
+def _loops(automatic_steps: int, manual_steps: int) -> dict:
+    """The two step counters of a checkpoint's fit loop, as Lightning 2.6 saves them."""
+    def steps(n: int) -> dict:
+        return {"total": {"ready": n, "completed": n}, "current": {"ready": n, "completed": n}}
+
+    return {"loops": {"fit_loop": {
+        "epoch_loop.automatic_optimization.optim_progress": {"optimizer": {"step": steps(automatic_steps), "zero_grad": {}}},
+        "epoch_loop.manual_optimization.optim_step_progress": steps(manual_steps),
+    }}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("saved", "automatic_optimization", "expected"),
+    [
+        (_loops(0, 9), True, _loops(9, 0)),  # pipelined checkpoint, plain loop resumes
+        (_loops(9, 0), False, _loops(0, 9)),  # plain checkpoint, pipeline resumes
+        (_loops(9, 0), True, _loops(9, 0)),  # same loop: unchanged
+        (_loops(4, 5), False, _loops(0, 9)),  # a checkpoint of older runs that switched: the sum
+    ],
+)
+def test_a_checkpoint_of_the_other_loop_keeps_its_step_count(saved, automatic_optimization, expected):
+    carry_step_count(saved, automatic_optimization)
+    assert saved == expected
+    exported = {"state_dict": {}}  # no loops: left alone
+    carry_step_count(exported, True)
+    assert exported == {"state_dict": {}}
