@@ -247,8 +247,8 @@ _MANUAL_STEPS = "epoch_loop.manual_optimization.optim_step_progress"
 
 def carry_step_count(checkpoint: dict[str, Any], automatic_optimization: bool) -> None:
     """Puts the optimizer steps a checkpoint counted under either optimization mode into the mode this
-    run uses (in place, before Lightning restores its loops), so that ``global_step``, ``max_steps``,
-    step-based checkpoints and the learning-rate schedule continue where the checkpoint stopped."""
+    run uses (in place, before Lightning restores its loops), so that ``global_step``, ``max_steps``
+    and step-based checkpoints continue where the checkpoint stopped."""
     fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
     if _AUTOMATIC_STEPS not in fit_loop or _MANUAL_STEPS not in fit_loop:
         return  # not a training checkpoint of this Lightning's loops (e.g. an exported model)
