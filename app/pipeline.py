@@ -43,16 +43,6 @@ from app.data.loader import ResumableBatchLoader
 Pipeline = Literal["auto", "none", "sparse_dist", "semi_sync"]
 PIPELINES = ("auto", "none", "sparse_dist", "semi_sync")
 
-# CPU choice, measured 2026-11-23 on the 2-core machine with `python -m app.bench` (torchrec_reference:
-# 2 gloo processes of 1 thread, 26 tables x 100,000 x 64, batch 512 per process), pooled over 5 bench
-# runs of 4-8 alternating repeats, each ratio taken against TorchRec's pipelined raw loop run next to
-# it: the app's sparse_dist 1.00 (median of 22 pairs, quartiles 0.96-1.04), Lightning's plain loop
-# 0.96 (28 pairs, quartiles 0.92-1.04). Single runs disagree (pairs vary by +-10 % on this shared
-# machine; one 5-repeat run had favoured the plain loop), the pool does not: even on CPU, starting the
-# next batch's input all-to-all early saves more than the pipeline's bookkeeping costs, and the
-# pipelined step runs fewer Lightning hooks (no closure). Results are bit-identical either way.
-CPU_DEFAULT_PIPELINE = "sparse_dist"
-
 
 def check_pipeline(name: str) -> None:
     """Raises a ValueError naming ``model.pipeline`` for an unknown value."""
@@ -74,14 +64,18 @@ def resolve_pipeline(name: str, device: torch.device, world_size: int) -> str:
     if name != "auto":
         return name
     # GPUs: the input all-to-all and host-to-device copies run on their own streams, hidden behind
-    # compute. CPU: see CPU_DEFAULT_PIPELINE for the measured choice (kept apart so that a new
-    # measurement can change it in one place). One CPU process has no all-to-all and no copy to
-    # hide: the pipeline's bookkeeping alone, about 0.45 ms per step (`python -m app.bench --preset
-    # overhead`, medians of 9 runs: TorchRec's pipelined loop 2.30 ms a step against its plain loop
-    # 1.85 ms; the app's sparse_dist 3.12 ms against its plain loop 2.66 ms).
-    if device.type in ("cuda", "mtia"):
-        return "sparse_dist"
-    return CPU_DEFAULT_PIPELINE if world_size > 1 else "none"
+    # compute. CPU with more than one process, measured 2026-11-23 on the 2-core machine with
+    # `python -m app.bench` (torchrec_reference: 2 gloo processes of 1 thread, 26 tables x 100,000 x
+    # 64, batch 512 per process), pooled over 5 bench runs of 4-8 alternating repeats, each ratio taken
+    # against TorchRec's pipelined raw loop run next to it: the app's sparse_dist 1.00 (median of 22
+    # pairs, quartiles 0.96-1.04), Lightning's plain loop 0.96 (28 pairs, quartiles 0.92-1.04). Single
+    # runs disagree (pairs vary by +-10 % on this shared machine; one 5-repeat run had favoured the
+    # plain loop), the pool does not: starting the next batch's input all-to-all early saves more than
+    # the pipeline's bookkeeping costs. One CPU process has no all-to-all and no copy to hide: the
+    # bookkeeping alone, about 0.45 ms per step (`python -m app.bench --preset overhead`, medians of 9
+    # runs: TorchRec's pipelined loop 2.30 ms a step against its plain loop 1.85 ms; the app's
+    # sparse_dist 3.12 ms against its plain loop 2.66 ms). Results are bit-identical either way.
+    return "none" if device.type == "cpu" and world_size == 1 else "sparse_dist"
 
 
 def _semi_sync_class() -> type[TrainPipelineSparseDist]:

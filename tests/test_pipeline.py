@@ -158,7 +158,6 @@ def test_auto_pipelines_wherever_there_is_something_to_overlap(device, world_siz
     assert resolve_pipeline("none", torch.device(device), world_size) == "none"
 
 
-
 def _loops(automatic_steps: int, manual_steps: int) -> dict:
     """The two step counters of a checkpoint's fit loop, as Lightning 2.6 saves them."""
     def steps(n: int) -> dict:
