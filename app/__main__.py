@@ -4,7 +4,7 @@ import sys
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["export"]:
-        from app.export import main
+        from app.checkpoint.export import main
 
         main(sys.argv[2:])
     else:

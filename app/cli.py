@@ -21,12 +21,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from app.callbacks import PredictionWriter, SamplesPerSecond
+from app.checkpoint.preemption import SaveOnSignal
 from app.data.datamodule import CriteoDataModule
-from app.health import RankHealth
-from app.module import DLRMModule
-from app.preemption import SaveOnSignal
-from app.strategy import TorchRecStrategy
+from app.distributed.health import RankHealth
+from app.distributed.strategy import TorchRecStrategy
+from app.train.callbacks import PredictionWriter, SamplesPerSecond
+from app.train.module import DLRMModule
 
 # Errors a user causes with a setting or a file: shown as one line, not a traceback.
 _USER_ERRORS = (ValueError, FileNotFoundError)
@@ -99,7 +99,7 @@ def cli_main(args: list[str] | None = None) -> DLRMCLI:
             DLRMModule,
             CriteoDataModule,
             trainer_defaults={
-                "strategy": {"class_path": "app.strategy.TorchRecStrategy"},
+                "strategy": {"class_path": "app.distributed.strategy.TorchRecStrategy"},
                 "default_root_dir": "runs",
             },
             seed_everything_default=0,

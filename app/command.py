@@ -1,4 +1,4 @@
-"""The project's side commands (``python -m app.preprocess``, ``python -m app.data.multi_hot``)
+"""The project's side commands (``python -m app.data.preprocess``, ``python -m app.data.multi_hot``)
 built like ``python -m app``: jsonargparse reads the options from a function's signature and
 docstring, so ``--help``, ``--config FILE`` and ``--print_config`` work the same way, and a bad
 setting or input file ends the command with one ``error:`` line and exit status 2."""

@@ -1,6 +1,6 @@
 """Data-path benchmark: figures measured side by side in one run (`make bench-data`).
 
-1. Raw TSV -> NumPy day files (the cache conversion ``fit`` does, ``app.preprocess`` on every core)
+1. Raw TSV -> NumPy day files (the cache conversion ``fit`` does, ``app.data.preprocess`` on every core)
    against the approach of the ROCm DLRM blog, ``pandas.read_csv`` plus per-column label encoding
    (``pandas.factorize``, the vectorised equivalent of scikit-learn's LabelEncoder), on the same
    file. Goal: >= 10x.
@@ -43,8 +43,8 @@ def best_of(repeats: int, fn) -> float:
 
 
 def ours_tsv_to_days(path: Path, out: Path) -> None:
-    """The conversion the data module's cache runs: app.preprocess, every core of this machine."""
-    from app.preprocess import main as preprocess
+    """The conversion the data module's cache runs: app.data.preprocess, every core of this machine."""
+    from app.data.preprocess import main as preprocess
 
     shutil.rmtree(out, ignore_errors=True)
     assert preprocess(["--input", str(path), "--output", str(out), "--progress", "false"]) == 0
@@ -83,9 +83,9 @@ def training_batches_per_second(batch_size: int, table_sizes: list[int], num_ste
 
     from app.data.batches import make_batch
     from app.data.source import RowBlock
-    from app.module import DLRMModule
-    from app.optimizers import StepOnceCombinedOptimizer
-    from app.sharding import default_sharders, plan_sharding
+    from app.train.module import DLRMModule
+    from app.train.optimizers import StepOnceCombinedOptimizer
+    from app.distributed.sharding import default_sharders, plan_sharding
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("BENCH_PORT", "29533"), LOCAL_WORLD_SIZE="1")
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -194,7 +194,7 @@ def main() -> None:
         ours_s = best_of(2, lambda: ours_tsv_to_days(tsv, tmp / "npy"))
         pandas_s = best_of(2, lambda: pandas_tsv_to_arrays(tsv, table_sizes))
         print("1. raw TSV -> NumPy day files")
-        print(f"   this project (app.preprocess, {cores()} cores)   {args.rows / ours_s:>12,.0f} rows/s")
+        print(f"   this project (app.data.preprocess, {cores()} cores)   {args.rows / ours_s:>12,.0f} rows/s")
         print(f"   pandas.read_csv + label encoding       {args.rows / pandas_s:>12,.0f} rows/s")
         print(f"   ratio                                  {pandas_s / ours_s:>12.1f}x   (goal >= 10x)\n")
 
@@ -231,7 +231,7 @@ def main() -> None:
 
 
 def cores() -> int:
-    from app.preprocess import default_workers
+    from app.data.preprocess import default_workers
 
     return default_workers()
 

@@ -148,7 +148,7 @@ def _no_process_may_start(*args, **kwargs):
 
 def test_multi_hot_days_give_their_bag_sizes_as_pooling_factors(tmp_path):
     from app.data.multi_hot import main as to_multi_hot
-    from app.preprocess import main as preprocess
+    from app.data.preprocess import main as preprocess
 
     write_synthetic_criteo(tmp_path / "train.tsv", num_rows=300, seed=5)
     assert preprocess(["--input", str(tmp_path / "train.tsv"), "--output", str(tmp_path / "npy"), "--workers", "1"]) == 0

@@ -148,7 +148,7 @@ def test_ranks_that_wait_get_the_conversion_error(tmp_path):
 
 def test_auto_table_sizes_are_the_exact_distinct_ids_and_the_model_follows(tmp_path):
     from app.cli import DLRMCLI
-    from app.module import DLRMModule
+    from app.train.module import DLRMModule
 
     rng = np.random.default_rng(5)
     cardinalities = [1 + (7 * j) % 40 for j in range(26)]

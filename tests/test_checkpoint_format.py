@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torchrec.distributed.types import ShardingPlan
 
-from app import checkpoint as checkpoint_format
+from app.checkpoint import format as checkpoint_format
 
 
 class OneProcess:
@@ -165,7 +165,7 @@ def test_an_index_that_names_other_code_is_refused(model, tmp_path):
 
 
 def test_requeue_calls_scontrol_with_the_job_id(tmp_path, monkeypatch):
-    from app.preemption import requeue_slurm_job
+    from app.checkpoint.preemption import requeue_slurm_job
 
     # scontrol itself exists only on a SLURM cluster: a stand-in on PATH records how it was called.
     scontrol = tmp_path / "scontrol"

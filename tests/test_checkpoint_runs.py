@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from app import checkpoint as checkpoint_format
+from app.checkpoint import format as checkpoint_format
 TIMEOUT_S = 300
 # Launcher settings an in-process CLI test may have left in this process's environment: each run here
 # lets Lightning's launcher choose its own free port.

@@ -27,7 +27,7 @@ def test_every_config_parses(config, capsys):
     configs = ["--config", "configs/demo.yaml"] if config.name.startswith("demo_") else []
     assert _run(["fit", *configs, "--config", str(config), "--print_config"]) == 0
     printed = capsys.readouterr().out
-    assert "class_path: app.strategy.TorchRecStrategy" in printed
+    assert "class_path: app.distributed.strategy.TorchRecStrategy" in printed
     assert "interaction:" in printed
 
 

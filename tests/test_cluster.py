@@ -17,7 +17,7 @@ import pytest
 
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 
-from app.launch import check_launch
+from app.distributed.launch import check_launch
 from multiprocess import free_port
 
 HARD_LIMIT_S = 150  # far above start-up (~10-30 s on a busy 2-core machine) + the timeouts below

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.export import export_checkpoint, load_exported_into, main
-from app.module import DLRMModule
+from app.checkpoint.export import export_checkpoint, load_exported_into, main
+from app.train.module import DLRMModule
 from multiprocess import run_on_ranks
 from reshard_runs import eval_args, plan_args
 from test_sharding import EMBEDDING_DIM, NUM_TABLES, TABLE_SIZE, shards_and_predictions

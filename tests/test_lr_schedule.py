@@ -7,7 +7,7 @@ import csv
 import pytest
 import torch
 
-from app.lr_schedule import LRSchedule
+from app.train.lr_schedule import LRSchedule
 from multiprocess import run_on_ranks
 from test_sharding import fit_args
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torchmetrics.classification import BinaryAUROC
 
 from app.data.synthetic import rank_auc, write_synthetic_criteo
-from app.metrics import BinnedAUROC, Calibration, build_eval_metrics
+from app.train.metrics import BinnedAUROC, Calibration, build_eval_metrics
 from multiprocess import run_on_ranks
 
 

@@ -10,9 +10,9 @@ import torch
 
 from app.data.batches import make_batch
 from app.data.source import RowBlock
-from app.metrics import LogLoss, NormalizedEntropy
 from app.model.dlrm import INTERACTIONS, build_dlrm
 from app.model.tables import expand_table_sizes
+from app.train.metrics import LogLoss, NormalizedEntropy
 
 
 def _batch(batch_size: int = 5):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from app import preprocess
+from app.data import preprocess
 from app.data import multi_hot
 from app.data.batches import make_batch
 from app.data.multi_hot import MultiHotDaysSource, multi_hot_tables, write_multi_hot_day

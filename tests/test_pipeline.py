@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.module import DLRMModule
-from app.pipeline import carry_step_count, resolve_pipeline
+from app.train.module import DLRMModule
+from app.train.pipeline import carry_step_count, resolve_pipeline
 from multiprocess import run_on_ranks
 from test_sharding import fit_args, shards_and_predictions
 
@@ -149,7 +149,7 @@ def test_semi_sync_is_refused_on_cpu_and_unknown_pipelines_name_the_setting():
     [
         ("cuda", 1, "sparse_dist"),  # the host-to-device copy to overlap
         ("cuda", 8, "sparse_dist"),
-        ("cpu", 2, "sparse_dist"),  # the input all-to-all to overlap (measured faster, app/pipeline.py)
+        ("cpu", 2, "sparse_dist"),  # the input all-to-all to overlap (measured faster, app/train/pipeline.py)
         ("cpu", 1, "none"),  # nothing to overlap: the pipeline's bookkeeping alone
     ],
 )

@@ -16,7 +16,7 @@ from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from app.plan_json import plan_from_json, plan_to_json
+from app.checkpoint.plan_json import plan_from_json, plan_to_json
 
 
 def test_a_plan_of_every_cpu_sharding_type_round_trips_through_json():

@@ -1,4 +1,4 @@
-"""``python -m app.preprocess``: raw TSV -> NumPy days -> batches equal to reading the TSV directly.
+"""``python -m app.data.preprocess``: raw TSV -> NumPy days -> batches equal to reading the TSV directly.
 
 Also: metadata values computed independently, gzip input, resuming after a lost day, the frequency
 threshold's contiguous ids, vocabulary reuse, and bad inputs reported with the file's name.
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from app import preprocess
+from app.data import preprocess
 from app.data import tsv
 from app.data.batches import make_batch
 from app.data.numpy_days import NumpyDaysSource
@@ -111,7 +111,7 @@ def test_entry_point_and_gzip(tmp_path) -> None:
     packed = tmp_path / "raw" / "part_0.tsv.gz"
     packed.write_bytes(gzip.compress(files[0].read_bytes()))
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "app.preprocess", "--input", str(packed), "--output", str(out), "--workers", "1"]
+    command = [sys.executable, "-m", "app.data.preprocess", "--input", str(packed), "--output", str(out), "--workers", "1"]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "preprocessed 400 rows" in done.stdout

@@ -1,4 +1,4 @@
-"""Checkpoints load under another world size and another sharding plan (app/reshard.py).
+"""Checkpoints load under another world size and another sharding plan (app/checkpoint/reshard.py).
 
 One 2-process writer run (tests/reshard_runs.py: t_cat_0 data-parallel, t_cat_1 split into two
 column shards, the rest table-wise) leaves a mid-epoch and a final checkpoint; readers on 1, 2 and
@@ -26,10 +26,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from app.checkpoint.reshard import SliceLoadPlanner, column_weighted_mean
 from app.data.dataset import CriteoBatches
 from app.data.loader import ResumableBatchLoader
 from app.data.tsv import CriteoArrays
-from app.reshard import SliceLoadPlanner, column_weighted_mean
 from reshard_runs import SPLIT_TABLE, eval_args, fit_with_checkpoints, plan_args, table_key
 from multiprocess import run_on_ranks
 from test_sharding import shards_and_predictions

@@ -6,7 +6,7 @@ import pytest
 import torch
 from lightning.fabric.utilities.data import _num_cpus_available
 
-from app.threads import resolve_num_threads
+from app.distributed.threads import resolve_num_threads
 from multiprocess import run_on_ranks
 from test_sharding import fit_args
 

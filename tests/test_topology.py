@@ -14,9 +14,9 @@ from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from app.plan_report import REPORT_TEXT, read_plan
-from app.sharding import build_topology, default_sharders, plan_on_this_process
-from app.topology import GIB, PRESETS, TOPOLOGY_CHOICES, preset_for_device_name, resolve_topology
+from app.distributed.plan_report import REPORT_TEXT, read_plan
+from app.distributed.sharding import build_topology, default_sharders, plan_on_this_process
+from app.distributed.topology import GIB, PRESETS, TOPOLOGY_CHOICES, preset_for_device_name, resolve_topology
 from multiprocess import run_on_ranks
 from test_sharding import fit_args
 from test_train import run_app

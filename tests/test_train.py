@@ -156,7 +156,7 @@ def test_fit_reads_real_criteo_rows(shared_criteo, tmp_path):
 def day_folders(tmp_path_factory) -> dict[str, Path]:
     """The same synthetic rows as raw TSV, as TorchRec NumPy days and as MLPerf multi-hot days."""
     from app.data.multi_hot import main as to_multi_hot
-    from app.preprocess import main as preprocess
+    from app.data.preprocess import main as preprocess
 
     root = tmp_path_factory.mktemp("formats")
     folders = {}

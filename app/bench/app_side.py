@@ -16,10 +16,10 @@ from app.bench.dataset import open_dataset
 from app.bench.measure import StepClock, StepClockCallback
 from app.bench.settings import BenchSpec
 from app.bench.trained_batches import TrainedBatches, TrainedBatchesCallback
-from app.callbacks import SamplesPerSecond
-from app.module import DLRMModule
-from app.preemption import SaveOnSignal
-from app.strategy import TorchRecStrategy
+from app.checkpoint.preemption import SaveOnSignal
+from app.distributed.strategy import TorchRecStrategy
+from app.train.callbacks import SamplesPerSecond
+from app.train.module import DLRMModule
 
 
 def run_app(

@@ -40,8 +40,8 @@ from app.bench.launch import run_on_ranks
 from app.bench.measure import step_statistics
 from app.bench.settings import BenchSpec, RunSettings, check_can_run, check_run_settings
 from app.data.datamodule import CriteoDataModule
-from app.module import DLRMModule
-from app.strategy import TorchRecStrategy
+from app.distributed.strategy import TorchRecStrategy
+from app.train.module import DLRMModule
 
 PRESETS_DIR = Path(__file__).resolve().parents[2] / "configs" / "bench"
 DEFAULT_PRESET = "torchrec_reference"

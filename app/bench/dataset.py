@@ -46,7 +46,7 @@ _SETTING_NAMES = "|".join(name for name in _PARAMETERS if name != "self")
 _SETTING_IN_MESSAGE = re.compile(rf"(?<![\w/.~-])data\.({_SETTING_NAMES})\b")  # not a file name such as /x/data.train
 # Bytes per row of a NumPy day file besides its ids: 13 float32 dense features and an int32 label.
 _STORED_BYTES_PER_ROW = NUM_DENSE_FEATURES * 4 + 4
-_STORED_BYTES_PER_ID = 4  # int32, as app.preprocess (the TSV cache) and MLPerf's multi-hot days store ids
+_STORED_BYTES_PER_ID = 4  # int32, as app.data.preprocess (the TSV cache) and MLPerf's multi-hot days store ids
 
 
 @dataclass

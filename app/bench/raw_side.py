@@ -28,14 +28,14 @@ from torchrec.optim.keyed import CombinedOptimizer
 from app.bench.data import random_loader
 from app.bench.dataset import epochs, open_dataset
 from app.bench.measure import StepClock
-from app.data.datamodule import CriteoDataModule
 from app.bench.settings import BenchSpec
 from app.bench.trained_batches import TrainedBatches
+from app.data.datamodule import CriteoDataModule
+from app.distributed.sharding import build_constraints, default_sharders, embedding_table_names, plan_sharding
+from app.distributed.threads import set_worker_threads
+from app.distributed.topology import resolve_topology
 from app.model.dlrm import build_dlrm, build_dlrm_arguments
-from app.optimizers import build_optimizer, fuse_sparse_optimizer
-from app.sharding import build_constraints, default_sharders, embedding_table_names, plan_sharding
-from app.threads import set_worker_threads
-from app.topology import resolve_topology
+from app.train.optimizers import build_optimizer, fuse_sparse_optimizer
 
 def run_raw(
     spec: BenchSpec, clock: StepClock, trained: TrainedBatches, rank: int, device: torch.device, overlap: bool = True

@@ -10,9 +10,9 @@ import torch
 
 from app.bench.data import RandomData
 from app.bench.dataset import DatasetInput
+from app.distributed.sharding import TableConstraint, validate_fused_optimizer, validate_sharding_request
 from app.model.dlrm import build_embedding_bag_collection, validate_dlrm_sizes
-from app.optimizers import fuse_sparse_optimizer
-from app.sharding import TableConstraint, validate_fused_optimizer, validate_sharding_request
+from app.train.optimizers import fuse_sparse_optimizer
 
 Side = Literal["app", "raw", "raw_base"]
 

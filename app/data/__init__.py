@@ -1,1 +1,11 @@
-"""Criteo data: raw TSV reading and the synthetic sample generator."""
+"""The data road, from Criteo files to ``KeyedJaggedTensor`` batches.
+
+``datamodule`` (``CriteoDataModule``, the LightningDataModule), ``splits`` (which files each stage
+reads), ``paths`` (globs, folders, lists), ``formats`` (opening raw TSV, NumPy days or multi-hot
+days), ``source`` (the row interface every format provides), the raw TSV reader in ``tsv``
+(entry points), ``tsv_stream`` (files -> blocks of lines) and ``tsv_decode`` (a block -> arrays),
+``cache`` (raw TSV -> fingerprinted NumPy days, by ``preprocess``), ``preprocess`` (the conversion,
+also ``python -m app.data.preprocess``), ``numpy_days`` and ``multi_hot`` (memory-mapped day
+files), ``partition`` and ``dataset`` (each rank's slice of each global batch), ``loader`` (the
+resumable loader), ``batches`` (``KeyedJaggedTensor`` batches), ``synthetic`` (the sample generator).
+"""

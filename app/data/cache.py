@@ -1,5 +1,5 @@
 """The cache of raw TSV converted to NumPy day files: where it is, whether it can be reused, and
-making it (with :mod:`app.preprocess`, once, in parallel, resumable).
+making it (with :mod:`app.data.preprocess`, once, in parallel, resumable).
 
 Raw Criteo text is parsed once per input set, not once per run and rank: ``fit``, ``validate`` and
 ``test`` read the cached days memory-mapped, so host memory per rank stays bounded whatever the
@@ -12,7 +12,7 @@ data size (docs/data.md). One input set (a split's files) is one folder
   fingerprint differs from the run's is stale: it is deleted and made again, never read.
 * ``complete``: written ``true`` last, once every day and ``metadata.json`` are in place. A folder
   without it was left by a killed or failed conversion: the next conversion resumes it (finished
-  days are kept, see :mod:`app.preprocess.resume`).
+  days are kept, see :mod:`app.data.preprocess.resume`).
 * ``error``: why the last conversion failed, so that ranks that did not convert (they wait in
   Lightning's barrier while local rank 0 converts) stop with the same message instead of waiting.
 
@@ -34,8 +34,8 @@ from typing import Any
 
 from filelock import FileLock
 
-from app.preprocess import FORMAT_VERSION, Config, default_workers
-from app.preprocess import run as preprocess
+from app.data.preprocess import FORMAT_VERSION, Config, default_workers
+from app.data.preprocess import run as preprocess
 
 CACHE_FILE = "cache.json"
 DEFAULT_CACHE_FOLDER = "criteo_cache"  # beside the raw data unless data.cache_dir says otherwise
@@ -177,4 +177,4 @@ def read_metadata(folder: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: missing; the folder was not written by app.preprocess") from None
+        raise FileNotFoundError(f"{path}: missing; the folder was not written by app.data.preprocess") from None

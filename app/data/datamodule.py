@@ -144,7 +144,7 @@ class CriteoDataModule(LightningDataModule):
         elif train.format == "numpy":
             folder = train.files[0]
         else:
-            raise ValueError("data.num_embeddings_per_feature: auto needs raw TSV or app.preprocess's NumPy days, not multi_hot")
+            raise ValueError("data.num_embeddings_per_feature: auto needs raw TSV or app.data.preprocess's NumPy days, not multi_hot")
         metadata = read_metadata(folder)
         sizes = metadata.get("num_embeddings_per_feature") or metadata["distinct_ids_per_feature"]
         sizes = [max(1, int(size)) for size in sizes]

@@ -35,7 +35,7 @@ class ResumableBatchLoader(DataLoader):
         )
         self._next_batch = 0
         # Batches handed out but not trained on yet (a training pipeline's queue, kept up to date by
-        # app.pipeline): a checkpoint resumes at the first of them.
+        # app.train.pipeline): a checkpoint resumes at the first of them.
         self.batches_in_flight = 0
 
     def __iter__(self) -> Iterator[Any]:

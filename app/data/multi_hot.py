@@ -359,7 +359,7 @@ def convert(
     seed: int = 0,
     distribution: Literal["uniform", "pareto"] = "uniform",
 ) -> None:
-    """Convert TorchRec NumPy days (day_N_{dense,sparse,labels}.npy, e.g. from app.preprocess) into
+    """Convert TorchRec NumPy days (day_N_{dense,sparse,labels}.npy, e.g. from app.data.preprocess) into
     MLPerf DLRMv2 multi-hot days (day_N_sparse_multi_hot.npz plus copies of dense and labels).
     Memory: the largest lookup table (E_j x m_j int32; about 16 GB for MLPerf's 40M x 100) plus a
     block of rows.

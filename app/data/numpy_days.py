@@ -19,7 +19,7 @@ ids above 2**31 as negative numbers, so int32 ids are read as their unsigned 32-
 leaves contiguous ids, always below 2**31, unchanged). Every id is then taken modulo its table
 size, as TorchRec's loader does, giving non-negative int64 ids.
 
-``app.preprocess`` writes this layout from raw TSV; ``app.data.multi_hot`` reads MLPerf's multi-hot
+``app.data.preprocess`` writes this layout from raw TSV; ``app.data.multi_hot`` reads MLPerf's multi-hot
 variant with the same machinery (``MappedDays``).
 """
 

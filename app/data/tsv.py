@@ -161,7 +161,7 @@ def iter_tsv_chunks(
     for :func:`read_tsv`.
 
     ``num_threads`` is as for :func:`read_tsv`, except that the default is 1: the usual caller
-    (``app.preprocess``) already runs one process per file. With more, up to ``2 * num_threads``
+    (``app.data.preprocess``) already runs one process per file. With more, up to ``2 * num_threads``
     blocks are read and parsed ahead of the one handed out.
     """
     path = Path(path)

@@ -11,7 +11,7 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
 from tqdm import tqdm
 
-from app.preprocess.config import DayTask
+from app.data.preprocess.config import DayTask
 
 # Where a worker reports parsed rows: the main process's progress queue, or a callback when the
 # work runs in the main process itself.

@@ -9,13 +9,13 @@ from lightning.pytorch import LightningModule
 from torchmetrics import MetricCollection
 
 from app.data.batches import CriteoBatch
-from app.log_steps import RunningMean, metrics_written_after_this_batch
-from app.lr_schedule import LRSchedule, lr_scheduler_config, step_lr_schedulers
-from app.metrics import EvalMetrics, build_eval_metrics
 from app.model.dlrm import Interaction, build_dlrm
 from app.model.tables import expand_table_sizes
-from app.optimizers import DenseOptimizer, SparseOptimizer, build_optimizer, check_optimizer_names, fuse_sparse_optimizer
-from app.pipeline import (
+from app.train.log_steps import RunningMean, metrics_written_after_this_batch
+from app.train.lr_schedule import LRSchedule, lr_scheduler_config, step_lr_schedulers
+from app.train.metrics import EvalMetrics, build_eval_metrics
+from app.train.optimizers import DenseOptimizer, SparseOptimizer, build_optimizer, check_optimizer_names, fuse_sparse_optimizer
+from app.train.pipeline import (
     Pipeline,
     PipelinedTraining,
     carry_step_count,
@@ -62,7 +62,7 @@ class DLRMModule(LightningModule):
             looks up the next batch's embeddings before this batch updates them (one update of
             lag, from ``semi_sync_start_step`` on). ``auto``: ``sparse_dist`` on GPUs and on CPU with more than
             one process (measured the faster one there), ``none`` on one CPU process, which has no
-            all-to-all to overlap (see app/pipeline.py).
+            all-to-all to overlap (see app/train/pipeline.py).
         semi_sync_start_step: batches trained synchronously (counted from the start of this
             process) before ``semi_sync`` lets lookups lag; TorchRec's default is 900.
         lr_warmup_steps: steps of linear learning-rate warm-up from base/steps to base (0: none).
@@ -70,7 +70,7 @@ class DLRMModule(LightningModule):
         lr_decay_steps: steps the decay lasts (0: no decay); the rate then stays at its end value.
         lr_decay_power: power of the polynomial decay (MLPerf DLRMv2: 2).
         lr_decay_end_factor: floor of the decay, as a fraction of the base learning rate.
-            The schedule applies to the dense and the embedding optimizer alike (app/lr_schedule.py)
+            The schedule applies to the dense and the embedding optimizer alike (app/train/lr_schedule.py)
             and is logged as ``train/lr`` (dense) and ``train/lr_embedding``.
     """
 
@@ -160,7 +160,7 @@ class DLRMModule(LightningModule):
         self._train_loss = RunningMean()
 
     def _log_training_step(self, loss: torch.Tensor, batch: CriteoBatch) -> None:
-        """``train/loss``: the mean over the steps since the last written one (app/log_steps.py)."""
+        """``train/loss``: the mean over the steps since the last written one (app/train/log_steps.py)."""
         self._train_loss.add(loss)
         if not metrics_written_after_this_batch(self.trainer):
             return

@@ -35,8 +35,8 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torchrec.distributed.types import ShardingPlan
 
-from app.plan_json import plan_from_json, plan_to_json
-from app.reshard import load_resharded
+from app.checkpoint.plan_json import plan_from_json, plan_to_json
+from app.checkpoint.reshard import load_resharded
 
 META_FILE = "meta.json"  # written last: a folder without it is incomplete
 DCP_INDEX_FILE = ".metadata"
@@ -334,7 +334,7 @@ def load_sharded_state(
     """
     assert current_plan is not None
     if plan_to_json(saved_plan) != plan_to_json(current_plan):
-        # The fused optimizer's state keys and shapes follow the plan (torchrec#2394): app/reshard.py maps them.
+        # The fused optimizer's state keys and shapes follow the plan (torchrec#2394): app/checkpoint/reshard.py maps them.
         load_resharded(
             checkpoint_dir, module, optimizers, saved_plan, current_plan, lambda: SafeFileSystemReader(checkpoint_dir)
         )

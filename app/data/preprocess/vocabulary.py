@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from app.data.preprocess.chunks import iter_chunks
+from app.data.preprocess.config import Config, DayResult, DayTask
+from app.data.preprocess.files import read_json, save_npy_atomically, save_npz_atomically, write_json_atomically
+from app.data.preprocess.id_counts import IdCounter
+from app.data.preprocess.resume import counted_already, input_info
+from app.data.preprocess.workers import report_rows, run_tasks
 from app.data.tsv import NUM_SPARSE
-from app.preprocess.chunks import iter_chunks
-from app.preprocess.config import Config, DayResult, DayTask
-from app.preprocess.files import read_json, save_npy_atomically, save_npz_atomically, write_json_atomically
-from app.preprocess.id_counts import IdCounter
-from app.preprocess.resume import counted_already, input_info
-from app.preprocess.workers import report_rows, run_tasks
 
 # Contiguous ids (TorchRec): 1 for rare or unseen ids, 2 for the first vocabulary entry.
 RARE_ID = 1

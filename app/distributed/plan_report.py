@@ -16,9 +16,9 @@ from typing import Any
 
 from torchrec.distributed.types import ShardingPlan
 
-from app.plan_json import plan_from_json, plan_to_json
-from app.sharding import PlannedSharding, format_plan
-from app.topology import DeviceTopology
+from app.checkpoint.plan_json import plan_from_json, plan_to_json
+from app.distributed.sharding import PlannedSharding, format_plan
+from app.distributed.topology import DeviceTopology
 
 REPORT_JSON = "sharding_plan.json"
 REPORT_TEXT = "sharding_plan.txt"

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from app.preprocess.config import FORMAT_VERSION, Config, DayTask
-from app.preprocess.files import read_sidecar_info
+from app.data.preprocess.config import FORMAT_VERSION, Config, DayTask
+from app.data.preprocess.files import read_sidecar_info
 
 
 def input_info(task: DayTask) -> dict[str, Any]:

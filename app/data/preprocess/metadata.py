@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
+from app.data.preprocess.config import FORMAT_VERSION, Config, DayTask
+from app.data.preprocess.files import read_sidecar_info
+from app.data.preprocess.vocabulary import FIRST_CONTIGUOUS_ID
 from app.data.tsv import NUM_SPARSE
-from app.preprocess.config import FORMAT_VERSION, Config, DayTask
-from app.preprocess.files import read_sidecar_info
-from app.preprocess.vocabulary import FIRST_CONTIGUOUS_ID
 
 
 def build_metadata(config: Config, tasks: Sequence[DayTask], vocabulary: dict[str, Any] | None) -> dict[str, Any]:

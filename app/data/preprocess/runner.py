@@ -9,14 +9,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from app.data.preprocess.config import Config, DayResult, DayTask, check_config
+from app.data.preprocess.day import convert_day
+from app.data.preprocess.files import write_json_atomically
+from app.data.preprocess.metadata import build_metadata
+from app.data.preprocess.resume import already_done, day_signature, warn_about_other_days
+from app.data.preprocess.vocabulary import prepare_vocabulary
+from app.data.preprocess.workers import run_tasks
 from app.data.tsv import MAX_DEFAULT_THREADS, expand_paths
-from app.preprocess.config import Config, DayResult, DayTask, check_config
-from app.preprocess.day import convert_day
-from app.preprocess.files import write_json_atomically
-from app.preprocess.metadata import build_metadata
-from app.preprocess.resume import already_done, day_signature, warn_about_other_days
-from app.preprocess.vocabulary import prepare_vocabulary
-from app.preprocess.workers import run_tasks
 
 
 def run(config: Config) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from app.compat import create_topology
-from app.topology import DeviceTopology
+from app.distributed.topology import DeviceTopology
 
 # Share of each device's memory the planner keeps free for the dense model, activations and buffers.
 STORAGE_RESERVED_FRACTION = 0.15

@@ -40,8 +40,8 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from app.checkpoint import SafeFileSystemReader
-from app.checkpoint import read as read_checkpoint
+from app.checkpoint.format import SafeFileSystemReader
+from app.checkpoint.format import read as read_checkpoint
 
 EXPORT_FORMAT = "app.export/1"
 _MODEL_PREFIX = "state_dict."

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from app.log_steps import metrics_written_after_this_batch
+from app.train.log_steps import metrics_written_after_this_batch
 
 
 class SamplesPerSecond(Callback):
@@ -39,7 +39,7 @@ class SamplesPerSecond(Callback):
         self._samples += batch.labels.numel() * trainer.world_size
         self._batches += 1
         elapsed_s = time.perf_counter() - self._start_time_s
-        # Only where Lightning writes step metrics: a log call costs ~1 ms (app/log_steps.py).
+        # Only where Lightning writes step metrics: a log call costs ~1 ms (app/train/log_steps.py).
         if elapsed_s > 0 and metrics_written_after_this_batch(trainer):
             pl_module.log(
                 "train/samples_per_sec",

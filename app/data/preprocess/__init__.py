@@ -1,6 +1,6 @@
 """Raw Criteo TSV -> TorchRec's NumPy day files, streamed, in parallel, resumable.
 
-``python -m app.preprocess --help`` (:mod:`app.preprocess.cli`) says what is written and how to run it.
+``python -m app.data.preprocess --help`` (:mod:`app.data.preprocess.cli`) says what is written and how to run it.
 
 Streaming: every chunk of parsed rows is appended to the three output files at once, so memory is
 bounded by the chunk size, not the input size. Each .npy file starts with the header for zero rows,
@@ -25,16 +25,16 @@ One job per module: ``cli`` (the command line), ``config`` (the options and one 
 whole or not at all).
 """
 
+from app.data.preprocess.chunks import RAW_IDS, iter_chunks
+from app.data.preprocess.cli import default_workers, main, preprocess
+from app.data.preprocess.config import DEFAULT_BLOCK_MIB, DENSE_TRANSFORMS, FORMAT_VERSION, Config, DayResult, DayTask
+from app.data.preprocess.day import convert_day
+from app.data.preprocess.files import NpyStreamWriter, read_sidecar_info
+from app.data.preprocess.id_counts import FEATURE_OFFSETS, DistinctIds, IdCounter
+from app.data.preprocess.metadata import build_metadata
+from app.data.preprocess.runner import run
 from app.data.tsv import NUM_DENSE, NUM_SPARSE
-from app.preprocess.chunks import RAW_IDS, iter_chunks
-from app.preprocess.cli import default_workers, main, preprocess
-from app.preprocess.config import DEFAULT_BLOCK_MIB, DENSE_TRANSFORMS, FORMAT_VERSION, Config, DayResult, DayTask
-from app.preprocess.day import convert_day
-from app.preprocess.files import NpyStreamWriter, read_sidecar_info
-from app.preprocess.id_counts import FEATURE_OFFSETS, DistinctIds, IdCounter
-from app.preprocess.metadata import build_metadata
-from app.preprocess.runner import run
-from app.preprocess.vocabulary import (
+from app.data.preprocess.vocabulary import (
     FIRST_CONTIGUOUS_ID,
     RARE_ID,
     count_ids,
@@ -42,7 +42,7 @@ from app.preprocess.vocabulary import (
     map_to_contiguous,
     vocabulary_path,
 )
-from app.preprocess.workers import run_tasks
+from app.data.preprocess.workers import run_tasks
 
 __all__ = [
     "DEFAULT_BLOCK_MIB",

@@ -35,16 +35,16 @@ from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.keyed import KeyedOptimizer
 
-from app import checkpoint as checkpoint_format
-from app.checkpoint import CheckpointInfo
-from app.export import is_exported_model, load_exported_into
-from app.launch import check_launch, set_collective_error_defaults
-from app.lr_schedule import move_scheduler
-from app.optimizers import StepOnceCombinedOptimizer
-from app.rendezvous import join_process_group
-from app.reshard import plan_allows
-from app.plan_report import plan_report, report_holds_plan, write_plan_report
-from app.sharding import (
+from app.checkpoint import format as checkpoint_format
+from app.checkpoint.export import is_exported_model, load_exported_into
+from app.checkpoint.format import CheckpointInfo
+from app.checkpoint.reshard import plan_allows
+from app.distributed.launch import check_launch, set_collective_error_defaults
+from app.distributed.plan_report import plan_report, report_holds_plan, write_plan_report
+from app.distributed.rendezvous import join_process_group
+from app.train.lr_schedule import move_scheduler
+from app.train.optimizers import StepOnceCombinedOptimizer
+from app.distributed.sharding import (
     PLANNER_OBJECTIVES,
     PlannedSharding,
     TableConstraint,
@@ -56,8 +56,8 @@ from app.sharding import (
     validate_fused_optimizer,
     validate_sharding_request,
 )
-from app.threads import set_worker_threads
-from app.topology import DeviceTopology, resolve_topology, validate_topology_settings
+from app.distributed.threads import set_worker_threads
+from app.distributed.topology import DeviceTopology, resolve_topology, validate_topology_settings
 
 class TorchRecStrategy(ParallelStrategy):
     """Shards the embedding tables of the LightningModule across all processes with TorchRec.
@@ -83,7 +83,7 @@ class TorchRecStrategy(ParallelStrategy):
             node that never starts or a wrong ``MASTER_ADDR`` ends the job after this, with a message
             naming the missing ranks.
         num_threads_per_process: torch intra-op threads of each process (default: ``OMP_NUM_THREADS``
-            if set, else the machine's cores divided by the processes on the node; see app/threads.py).
+            if set, else the machine's cores divided by the processes on the node; see app/distributed/threads.py).
     """
 
     strategy_name = "torchrec"
@@ -254,7 +254,7 @@ class TorchRecStrategy(ParallelStrategy):
         # A checkpoint's shards and optimizer keys fit the plan they were written under, and the
         # planner may choose differently between runs (ties between table- and column-wise): reuse it.
         # Otherwise (another world size, or a plan that breaks this run's sharding settings) plan afresh
-        # and let the loader reshard (app/reshard.py). An exported model file has no plan.
+        # and let the loader reshard (app/checkpoint/reshard.py). An exported model file has no plan.
         constraints = build_constraints(tables, self.sharding_types, self.table_constraints)
         allowed = {table: c.sharding_types for table, c in constraints.items()}
         exported = checkpoint_path is not None and is_exported_model(checkpoint_path)
@@ -319,7 +319,7 @@ class TorchRecStrategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if getattr(self.lightning_module, "training_step_calls_model", False):
-            # A pipelined step (app.pipeline) calls the DMP once per batch itself; routing the step
+            # A pipelined step (app.train.pipeline) calls the DMP once per batch itself; routing the step
             # through the DMP as well would nest two forwards of the DDP around the dense part.
             with self.precision_plugin.train_step_context():
                 return self.lightning_module.training_step(*args, **kwargs)
@@ -357,7 +357,7 @@ class TorchRecStrategy(ParallelStrategy):
         self.accelerator.teardown()
 
     # ---- checkpoints -----------------------------------------------------------------------
-    # The format lives in app/checkpoint.py: every rank writes its own shards through
+    # The format lives in app/checkpoint/format.py: every rank writes its own shards through
     # torch.distributed.checkpoint; rank 0 adds the plain-data metadata and publishes the folder.
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -2,10 +2,10 @@
 
 Usage::
 
-    python -m app.preprocess --input '[day_0.gz, day_1.gz]' --output DIR [--workers N]
-    python -m app.preprocess --input 'raw/day_*' --output DIR --frequency_threshold 3
-    python -m app.preprocess --input test.txt --output DIR_TEST --vocabulary DIR   # map like DIR
-    python -m app.preprocess --config preprocess.yaml                             # options in a file
+    python -m app.data.preprocess --input '[day_0.gz, day_1.gz]' --output DIR [--workers N]
+    python -m app.data.preprocess --input 'raw/day_*' --output DIR --frequency_threshold 3
+    python -m app.data.preprocess --input test.txt --output DIR_TEST --vocabulary DIR   # map like DIR
+    python -m app.data.preprocess --config preprocess.yaml                             # options in a file
 
 Input file ``i`` (in the order given, after glob/directory expansion) becomes day ``i``:
 
@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Literal
 
 from app.command import run_command
-from app.preprocess.config import DEFAULT_BLOCK_MIB, Config
-from app.preprocess.runner import run
+from app.data.preprocess.config import DEFAULT_BLOCK_MIB, Config
+from app.data.preprocess.runner import run
 
 
 def default_workers() -> int:
@@ -92,5 +92,5 @@ def preprocess(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m app.preprocess``; returns the exit status (2 for a bad input)."""
-    return run_command(preprocess, "python -m app.preprocess", argv)
+    """Entry point of ``python -m app.data.preprocess``; returns the exit status (2 for a bad input)."""
+    return run_command(preprocess, "python -m app.data.preprocess", argv)
