@@ -25,6 +25,7 @@ from app.checkpoint.preemption import SaveOnSignal
 from app.data.datamodule import CriteoDataModule
 from app.distributed.health import RankHealth
 from app.distributed.strategy import TorchRecStrategy
+from app.moved import find_moved_name
 from app.train.callbacks import PredictionWriter, SamplesPerSecond
 from app.train.module import DLRMModule
 
@@ -94,6 +95,10 @@ def _silence_known_library_noise() -> None:
 def cli_main(args: list[str] | None = None) -> DLRMCLI:
     """Parses ``args`` (default: ``sys.argv``), builds the model, data and trainer, and runs the subcommand."""
     _silence_known_library_noise()
+    moved = find_moved_name(sys.argv[1:] if args is None else args)
+    if moved is not None:
+        print(f"error: {moved}", file=sys.stderr)
+        raise SystemExit(2)
     try:
         return DLRMCLI(
             DLRMModule,
