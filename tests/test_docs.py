@@ -1,0 +1,187 @@
+"""The docs stay true: every command in README.md and docs/*.md parses with today's command line, the
+cheap ones run, and every file, module and page they name exists (as litgpt's tests/test_readme.py)."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from app.bench.cli import build_parser as bench_parser
+from app.bench.cli import expand_presets
+from app.cli import cli_main
+from app.command import build_parser
+from app.data.multi_hot import convert
+from app.data.preprocess.cli import preprocess
+
+DOCS = [Path("README.md"), *sorted(Path("docs").glob("*.md"))]
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+TIMEOUT_S = 120
+
+
+def _shell_blocks(doc: Path) -> list[str]:
+    return re.findall(r"^```(?:bash|sh|shell)\n(.*?)^```", doc.read_text(), flags=re.M | re.S)
+
+
+def _commands(doc: Path) -> list[str]:
+    """One string per command of the doc's shell blocks, continuation lines joined."""
+    commands = []
+    for block in _shell_blocks(doc):
+        commands += [c.strip() for c in block.replace("\\\n", " ").splitlines() if c.strip() and not c.strip().startswith("#")]
+    return commands
+
+
+def _app_command(command: str) -> tuple[str, list[str]] | None:
+    """``(module, args)`` of a ``python -m app...`` command (also under torchrun, srun or env settings)."""
+    words = shlex.split(command, comments=True)
+    if "-m" not in words[:-1] or not words[words.index("-m") + 1].startswith("app"):
+        return None
+    at = words.index("-m")
+    # Shell variables stand for numbers here (node ranks, node counts).
+    args = [re.sub(r"\$\{?\w+\}?", "1", word) for word in words[at + 2 :]]
+    return words[at + 1], args
+
+
+APP_COMMANDS = [(doc, command) for doc in DOCS for command in _commands(doc) if _app_command(command)]
+
+
+def test_the_docs_have_app_commands_to_check():
+    assert len(APP_COMMANDS) >= 20
+    modules = {_app_command(command)[0] for _, command in APP_COMMANDS}
+    assert {"app", "app.bench", "app.data.preprocess", "app.data.multi_hot"} <= modules
+
+
+def _exit_code(call) -> int:
+    try:
+        call()
+    except SystemExit as exit_info:
+        return exit_info.code or 0
+    return 0
+
+
+def _parses(module: str, args: list[str]) -> None:
+    """Parse ``args`` as ``python -m module`` would, without running the command."""
+    if module == "app" and args[0] in SUBCOMMANDS:
+        assert _exit_code(lambda: cli_main([*args, "--print_config"])) == 0
+    elif module == "app" and args[0] == "export":
+        from app.checkpoint.export import main as export_main
+
+        assert _exit_code(lambda: export_main([*args[1:], "--print_config"])) == 0
+    elif module == "app.bench":
+        bench_parser().parse_args(expand_presets(args))
+    elif module in ("app.data.preprocess", "app.preprocess"):
+        build_parser(preprocess, module).parse_args(args)
+    elif module == "app.data.multi_hot":
+        build_parser(convert, module).parse_args(args)
+    else:
+        raise AssertionError(f"no parse check for python -m {module}")
+
+
+def _without_users_configs(args: list[str]) -> list[str]:
+    """``args`` less ``--config FILE`` pairs naming a user's file (``preprocess.yaml``), not one of ours."""
+    kept = []
+    for arg in args:
+        if kept and kept[-1] == "--config" and not arg.startswith("configs/") and not Path(arg).exists():
+            kept.pop()
+        else:
+            kept.append(arg)
+    return kept
+
+
+@pytest.mark.parametrize(("doc", "command"), APP_COMMANDS, ids=lambda v: str(v)[:80])
+def test_every_documented_app_command_parses(doc, command, capsys, monkeypatch):
+    module, args = _app_command(command)
+    if "--help" in args or "-h" in args:
+        return  # run for real below
+    monkeypatch.setattr(sys, "argv", ["python -m " + module])
+    _parses(module, _without_users_configs([arg for arg in args if arg != "--print_config"]))
+    capsys.readouterr()
+
+
+# Each distinct one once: README.md and a page often show the same `--help`.
+CHEAP = list({
+    tuple(_app_command(command)[1]) + (_app_command(command)[0],): (doc, command)
+    for doc, command in APP_COMMANDS
+    if {"--help", "--print_config"} & set(_app_command(command)[1])
+}.values())  # fmt: skip
+
+
+@pytest.mark.parametrize(("doc", "command"), CHEAP, ids=lambda v: str(v)[:80])
+def test_the_cheap_documented_commands_run(doc, command):
+    module, args = _app_command(command)
+    done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"{doc}: {command}\n{done.stderr[-2000:]}"
+    assert done.stdout.strip(), f"{doc}: {command} printed nothing"
+
+
+def test_some_documented_commands_are_cheap_enough_to_run():
+    assert len(CHEAP) >= 3
+
+
+MAKE_COMMANDS = [(doc, c) for doc in DOCS for c in _commands(doc) if c.startswith("make ")]
+
+
+@pytest.mark.parametrize(("doc", "command"), MAKE_COMMANDS, ids=lambda v: str(v)[:80])
+def test_every_documented_make_target_exists(doc, command):
+    targets = set(re.findall(r"^([\w-]+):", Path("Makefile").read_text(), flags=re.M))
+    named = [word for word in shlex.split(command, comments=True)[1:] if "=" not in word]
+    assert set(named) <= targets, f"{doc}: {command}: no such make target {set(named) - targets}"
+
+
+def _named_paths(text: str) -> set[str]:
+    """Repository paths a doc names; not web addresses, and under data/ only files (data/x is also a metric name)."""
+    text = re.sub(r"https?://\S+", "", text)
+    found = re.findall(r"(?<![\w/.-])(?:app|configs|scripts|tests|docs|data)/[\w./*-]*", text)
+    paths = {match.rstrip(".,:;)") for match in found}
+    return {path for path in paths if not path.startswith("data/") or Path(path).suffix}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=str)
+def test_every_repo_path_a_doc_names_exists(doc):
+    generated = ("data/sample", "runs/")  # written by make sample / by runs
+    missing = []
+    for name in sorted(_named_paths(doc.read_text())):
+        if name.startswith(generated) or name in ("data/", "docs/", "tests/") or "*" in name:
+            continue
+        if not Path(name).exists():
+            missing.append(name)
+    assert not missing, f"{doc} names paths that do not exist: {missing}"
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            target = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[cut:]:
+                target = getattr(target, name)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=str)
+def test_every_dotted_app_name_a_doc_names_resolves(doc):
+    # Not the export file's format tag ("app.export/1"), which is data, not a module.
+    names = set(re.findall(r"(?<![\w./])app(?:\.\w+)+(?![\w/])", doc.read_text()))
+    assert not [name for name in sorted(names) if not _resolves(name)]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=str)
+def test_every_relative_link_resolves(doc):
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text())
+    broken = [link for link in links if "://" not in link and not (doc.parent / link).exists()]
+    assert not broken, f"{doc}: broken links {broken}"
+
+
+def test_the_readme_is_short():
+    assert len(Path("README.md").read_text().splitlines()) <= 200
