@@ -10,10 +10,8 @@ Examples::
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
-import warnings
 from typing import Any
 
 from lightning.pytorch import Callback, Trainer
@@ -26,6 +24,7 @@ from app.data.datamodule import CriteoDataModule
 from app.distributed.health import RankHealth
 from app.distributed.strategy import TorchRecStrategy
 from app.moved import find_moved_name
+from app.notices import silence_library_notices
 from app.train.callbacks import PredictionWriter, SamplesPerSecond
 from app.train.module import DLRMModule
 
@@ -84,17 +83,10 @@ class DLRMCLI(LightningCLI):
         return trainer
 
 
-def _silence_known_library_noise() -> None:
-    """Deprecation notices from the pinned libraries' internals, which no user setting can change."""
-    warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
-
-
 @record  # under torchrun, the failing rank's traceback is reported instead of a bare exit code
 def cli_main(args: list[str] | None = None) -> DLRMCLI:
     """Parses ``args`` (default: ``sys.argv``), builds the model, data and trainer, and runs the subcommand."""
-    _silence_known_library_noise()
+    silence_library_notices()
     moved = find_moved_name(sys.argv[1:] if args is None else args)
     if moved is not None:
         print(f"error: {moved}", file=sys.stderr)

@@ -13,7 +13,7 @@ from app.moved import MOVED_MODULES, find_moved_name
 APP = Path("app")
 
 # Modules that import nothing from app and may be imported from anywhere.
-LEAVES = {"app.compat", "app.command", "app.moved"}
+LEAVES = {"app.compat", "app.command", "app.moved", "app.notices"}
 # Lowest first. A unit may import the leaves and the units of lower layers only: not a unit of its own
 # layer (model and data know nothing of each other; neither do train and checkpoint), nor a higher one.
 LAYERS = [

@@ -25,6 +25,7 @@ from app.bench.settings import BenchSpec
 from app.bench.trained_batches import TrainedBatches
 from app.distributed.sharding import format_plan
 from app.model.dlrm import table_name
+from app.notices import silence_library_notices
 
 TABLE_PREFIX = "model.sparse_arch."  # where both sides' models keep their tables
 
@@ -56,10 +57,7 @@ def _worker(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0",
         WORLD_SIZE=world_size, LOCAL_WORLD_SIZE=world_size,
     )  # fmt: skip
-    # The library notices `python -m app` silences (app/cli.py), silenced on both sides here too.
-    from app.cli import _silence_known_library_noise
-
-    _silence_known_library_noise()
+    silence_library_notices()  # as `python -m app` does, on both sides
     device = torch.device("cpu") if spec.device_type == "cpu" else torch.device("cuda", rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
