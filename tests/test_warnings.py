@@ -35,7 +35,6 @@ printed is checked on a real ShardedTensor in ``test_replicated_tables_train_lik
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import warnings
@@ -53,6 +52,8 @@ from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 
 from embedding_init import reference_tables
 from multiprocess import run_on_ranks
+from test_checkpoint_runs import app_env
+from test_checkpoint_runs import fit_args as tiny_fit_args
 from test_sharding import NUM_TABLES, fit_args
 
 FBGEMM_NOTICE = "fbgemm::dense_embedding_codegen_lookup_function: an autograd kernel was not registered"
@@ -237,20 +238,12 @@ def test_replicated_tables_train_like_one_process(sample, tmp_path):
 
 
 def test_a_fit_with_replicated_tables_prints_none_of_the_silenced_notices(sample, tmp_path):
-    launcher = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "RANK", "WORLD_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in launcher and k != "PYTHONWARNINGS"}
+    env = {k: v for k, v in app_env().items() if k != "PYTHONWARNINGS"}
     args = [
-        "fit", "--config", "configs/demo.yaml",
-        "--data.train", str(sample["train"]), "--data.val", str(sample["val"]),
-        "--data.test", "null", "--data.predict", "null",
-        "--data.batch_size", "64", "--data.num_embeddings_per_feature", "200",
-        "--model.embedding_dim", "8", "--model.dense_arch_layer_sizes", "[16, 8]",
-        "--model.over_arch_layer_sizes", "[16, 1]",
+        *tiny_fit_args(sample, tmp_path),  # later settings win
         "--trainer.strategy.sharding_types", "[data_parallel]",
         "--trainer.max_steps", "3", "--trainer.limit_val_batches", "2", "--trainer.val_check_interval", "2",
         "--rank_health.every_n_steps", "1",  # its all-gather is Lightning's deprecated one
-        "--trainer.enable_progress_bar", "false",
-        "--trainer.default_root_dir", str(tmp_path),
     ]  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-m", "app", *args], capture_output=True, text=True, timeout=300, env=env,
