@@ -67,39 +67,37 @@ def _strings(value: Any) -> Iterator[str]:
             yield from _strings(item)
 
 
-def _config_files(args: Sequence[str]) -> Iterator[tuple[str, str]]:
-    """``(config argument, the rest)``: the values given to ``--config``, and every other argument."""
-    after_config = False
+def _config_values(path: str) -> list[str]:
+    """The strings among a config file's YAML values (keys included); a comment is no value."""
+    config = Path(path)
+    if not config.is_file():
+        return [path]  # --config also takes inline YAML
+    try:
+        return list(_strings(yaml.safe_load(config.read_text())))
+    except (OSError, yaml.YAMLError):
+        return []  # the CLI itself reports a config it cannot read
+
+
+def _named_values(args: Sequence[str]) -> Iterator[tuple[str, str]]:
+    """``(where, value)``: every value of every ``--config`` file, and every other argument."""
+    config_next = False
     for arg in args:
-        if after_config:
-            after_config = False
-            yield arg, ""
-        elif arg == "--config":
-            after_config = True
-        elif arg.startswith("--config="):
-            yield arg.split("=", 1)[1], ""
+        if arg == "--config":
+            config_next = True
+            continue
+        config = arg.split("=", 1)[1] if arg.startswith("--config=") else arg if config_next else None
+        config_next = False
+        if config is None:
+            yield "command line", arg
         else:
-            yield "", arg
+            yield from ((config, value) for value in _config_values(config))
 
 
 def find_moved_name(args: Sequence[str]) -> str | None:
-    """A one-line message for the first moved name in ``args`` or the configs they name, else None.
-
-    A config file's values are read as YAML, so a comment that mentions an old name is no error.
-    """
-    for config, arg in _config_files(args):
-        if config:
-            path = Path(config)
-            try:
-                values = list(_strings(yaml.safe_load(path.read_text()))) if path.is_file() else [config]
-            except (OSError, yaml.YAMLError):
-                continue  # the CLI itself reports a config it cannot read
-            where = config
-        else:
-            values, where = [arg], "command line"
-        for value in values:
-            found = moved_name(value)
-            if found is not None:
-                old, new = found
-                return f"{where}: {old} moved to {new} (app/ is grouped by concern: docs/architecture.md)"
+    """A one-line message for the first moved name in ``args`` or the configs they name, else None."""
+    for where, value in _named_values(args):
+        found = moved_name(value)
+        if found is not None:
+            old, new = found
+            return f"{where}: {old} moved to {new} (app/ is grouped by concern: docs/architecture.md)"
     return None

@@ -68,14 +68,12 @@ def silence_library_notices() -> None:
     _drop_log_records("torchrec.distributed.utils", "Sharding Type is data_parallel, caching params will be ignored")
 
 
+_DROPPED: set[tuple[str, str]] = set()  # (logger, message start) filters installed in this process
+
+
 def _drop_log_records(logger_name: str, start: str) -> None:
     """Drop the records logged to ``logger_name`` itself whose message starts with ``start``."""
-    logger = logging.getLogger(logger_name)
-    if any(getattr(f, "drops", None) == start for f in logger.filters):
-        return  # already installed (cli_main can run more than once in a process, e.g. in tests)
-
-    def keep(record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(start)
-
-    keep.drops = start  # type: ignore[attr-defined]
-    logger.addFilter(keep)
+    if (logger_name, start) in _DROPPED:
+        return  # cli_main can run more than once in a process (tests)
+    _DROPPED.add((logger_name, start))
+    logging.getLogger(logger_name).addFilter(lambda record: not record.getMessage().startswith(start))

@@ -48,12 +48,18 @@ def _app_command(command: str) -> tuple[str, list[str]] | None:
     return words[at + 1], args
 
 
-# Each distinct command once (README.md and a page often show the same one), with the first doc showing it.
-APP_COMMANDS = list({
-    (module, *args): (doc, command)
-    for doc in reversed(DOCS) for command in reversed(_commands(doc)) if _app_command(command)
-    for module, args in [_app_command(command)]
-}.values())[::-1]  # fmt: skip
+def _distinct_app_commands() -> list[tuple[Path, str]]:
+    """Each distinct command once (README.md and a page often show the same one), with the first doc showing it."""
+    first: dict[tuple[str, ...], tuple[Path, str]] = {}
+    for doc in DOCS:
+        for command in _commands(doc):
+            parsed = _app_command(command)
+            if parsed is not None:
+                first.setdefault((parsed[0], *parsed[1]), (doc, command))
+    return list(first.values())
+
+
+APP_COMMANDS = _distinct_app_commands()
 
 
 def test_the_docs_have_app_commands_to_check():

@@ -147,11 +147,8 @@ def trained_weights(cli) -> dict:
         if ".embedding_bags." not in key:
             others[key] = value.detach().clone()
         elif isinstance(value, ShardedTensor):  # table_wise on one process: all shards are here
-            full = torch.zeros(value.metadata().size)
-            for shard in value.local_shards():
-                (row, col), (n_rows, n_cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                full[row : row + n_rows, col : col + n_cols] = shard.tensor
-            tables[key] = full
+            tables[key] = torch.zeros(value.metadata().size)
+            value.gather(dst=0, out=tables[key])
             if sharded_tensor_notices is None:
                 sharded_tensor_notices = _notices_when_reading_shape(value)
         else:  # data_parallel: the full replica
