@@ -12,6 +12,8 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
+from app.compat import fused_supported
+
 SparseOptimizer = Literal["row_wise_adagrad", "adagrad", "sgd", "adam"]
 DenseOptimizer = Literal["adagrad", "adam", "sgd"]
 
@@ -48,22 +50,23 @@ class StepOnceCombinedOptimizer(CombinedOptimizer):
 
 
 def fastest_implementation(
-    optimizer_class: type[torch.optim.Optimizer], params: Any, **kwargs: Any
+    optimizer_class: type[torch.optim.Optimizer], params: list[torch.Tensor], **kwargs: Any
 ) -> torch.optim.Optimizer:
-    """``optimizer_class`` with torch's fused kernel where it has one for these parameters' device,
-    else with its default implementation; the update is the same either way.
+    """``optimizer_class`` with torch's fused kernel where this torch has one for the parameters'
+    device type (``app.compat.fused_supported``), else with its default implementation; the update is
+    the same either way.
 
     On CPU the default loops over the parameters tensor by tensor: for the dense part of DLRM the
     fused kernels measured 3x (Adagrad) and 4.5x (Adam) faster, about 2 ms of a 90 ms step of the
-    TorchRec reference bench. torch has no fused Adagrad on CUDA (it refuses ``fused=True``), and
-    TorchRec's RowWiseAdagrad takes no such argument: both keep their default.
+    TorchRec reference bench. Decided from the parameters before building, because torch 2.10 and 2.11
+    refuse fused Adagrad on CUDA only at the first step. The parameters are on their device by now:
+    DMP moved the dense part and the replicated tables there before ``configure_optimizers``.
     """
-    try:
-        return optimizer_class(params, fused=True, **kwargs)
-    except (RuntimeError, TypeError) as error:
-        if "fused" not in str(error):
-            raise
-    return optimizer_class(params, **kwargs)
+    device_types = {p.device.type for p in params}
+    fused = bool(device_types) and all(
+        fused_supported(optimizer_class, device_type, torch.__version__) for device_type in device_types
+    )
+    return optimizer_class(params, fused=True, **kwargs) if fused else optimizer_class(params, **kwargs)
 
 
 def _lookup(table: dict[str, type[torch.optim.Optimizer]], name: str, setting: str) -> type[torch.optim.Optimizer]:
