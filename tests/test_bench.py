@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from app.bench import cli as bench_cli
 from app.bench.cli import main
@@ -188,3 +189,82 @@ def test_a_steps_working_set_is_measured_on_the_model_and_scales_with_the_batch(
     # counted twice (activations, then their gradients): a lower bound of the whole step.
     assert one_id > 2 * 64 * (13 + 32 + 8) * 4
     assert two_ids >= one_id  # larger bags never need less
+
+
+def test_memory_on_cpu_is_resident_memory_and_on_gpus_the_hbm_peak_is_compared():
+    from app.bench.measure import growth_over_expected, peak_memory, rss_bytes
+
+    cpu = peak_memory(torch.device("cpu"), rss_bytes())
+    assert set(cpu) == {"peak_rss_bytes", "rss_growth_bytes", "basis"} and cpu["basis"] == "rss"  # no HBM figures on CPU
+    hbm = {"hbm_allocated_at_measure_start_bytes": 250, "peak_hbm_allocated_bytes": 300, "peak_hbm_reserved_bytes": 512}
+    gpu = peak_memory(torch.device("cuda", 0), 0, hbm)  # reads no device: the figures come from the clock
+    assert gpu["basis"] == "hbm" and {k: gpu[k] for k in hbm} == hbm
+    # On a GPU the tables live in HBM: its peak over the measured steps is compared, not RSS (the CUDA context).
+    assert growth_over_expected({**gpu, "rss_growth_bytes": 10**9, "expected_bytes": 200}) == 1.5
+    assert growth_over_expected({"basis": "rss", "rss_growth_bytes": 110, "expected_bytes": 100}) == pytest.approx(1.1)
+
+
+def test_random_batches_are_pinned_for_a_gpu_run_only():
+    from app.bench.app_side import _data_module
+    from app.bench.data import RandomBatches, RandomData, pins_batches
+
+    assert pins_batches(torch.device("cuda", 1)) and not pins_batches(torch.device("cpu"))
+    spec = bench_cli.spec_from(bench_cli.build_parser().parse_args(bench_cli.expand_presets(["--preset", "demo"])))
+    # The app's side decides by the run's device (no batch is built here, so no GPU is needed).
+    assert _data_module(spec, 0, torch.device("cuda", 0)).pin_memory is True
+    assert _data_module(spec, 0, torch.device("cpu")).pin_memory is False
+    pool = RandomBatches(RandomData(num_tables=2, rows_per_table=10, batch_size_per_rank=4, num_generated_batches=2), 3, 0).pool
+    assert not any(batch.dense_features.is_pinned() for batch in pool)
+
+
+def _plan(rows_per_rank: tuple[int, int]):
+    """t_a (100 x 8) split row-wise 60/40 over ranks 0 and 1; t_b (50 x 8) replicated (data-parallel)."""
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
+    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
+
+    rank0_rows, rank1_rows = rows_per_rank
+    row_wise = EnumerableShardingSpec([
+        ShardMetadata([0, 0], [rank0_rows, 8], "rank:0/cpu"), ShardMetadata([rank0_rows, 0], [rank1_rows, 8], "rank:1/cpu"),
+    ])  # fmt: skip
+    return ShardingPlan({"sparse": EmbeddingModuleShardingPlan({
+        "t_a": ParameterSharding(sharding_type="row_wise", compute_kernel="fused", ranks=[0, 1], sharding_spec=row_wise),
+        "t_b": ParameterSharding(sharding_type="data_parallel", compute_kernel="dense", ranks=[0, 1], sharding_spec=None),
+    })})  # fmt: skip
+
+
+def test_embedding_bytes_per_step_count_each_looked_up_row_and_its_state_from_the_plan():
+    from app.bench.measure import embedding_bytes_per_step, hbm_bandwidth_share
+
+    plan, shapes, ids = _plan((60, 40)), {"t_a": (100, 8), "t_b": (50, 8)}, {"t_a": 2.0, "t_b": 1.0}
+    # Rank 0, 10 rows per rank on 2 ranks, rows of 8 float32 (32 bytes):
+    # t_a, row-wise: the global 20 bags, 60 % of their 40 ids = 24 ids; forward reads 24 rows and writes
+    #   20 bags, backward reads 20 bag gradients and reads and writes 24 rows with their state;
+    # t_b, replicated: the rank's own 10 bags of 1 id.
+    sgd = (24 * 32 + 2 * 20 * 32 + 2 * 24 * 32) + (10 * 32 + 2 * 10 * 32 + 2 * 10 * 32)
+    assert embedding_bytes_per_step(plan, 0, shapes, ids, 10, 2, "sgd") == sgd == 5184
+    adagrad = (24 * 32 + 2 * 20 * 32 + 2 * 24 * 64) + (10 * 32 + 2 * 10 * 32 + 2 * 10 * 64)  # + a float per element
+    assert embedding_bytes_per_step(plan, 0, shapes, ids, 10, 2, "adagrad") == adagrad == 7360
+    assert embedding_bytes_per_step(plan, 1, shapes, ids, 10, 2, "sgd") == 16 * 32 + 2 * 20 * 32 + 2 * 16 * 32 + 1600
+    # 7,360 bytes in 1 microsecond of kernels on a 3,350 GB/s device: 7.36e9 / 3.35e12 of the bandwidth.
+    assert hbm_bandwidth_share(7360, 1e-3, 3350.0) == pytest.approx(7.36e9 / 3.35e12)
+    assert hbm_bandwidth_share(7360, 0.0, 3350.0) is None  # no kernel time recorded: no figure
+
+
+def test_the_phase_table_of_a_gpu_run_keeps_host_and_device_time_apart():
+    from app.bench.phases import DENSE, HOST_REST_ON_GPU, PYTHON, phase_table_ms
+
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        for _ in range(2):
+            model(torch.randn(32, 64)).sum().backward()
+            optimizer.step()
+    events = list(profiler.events())
+    host_only = phase_table_ms(events, wall_ms=1e6, num_steps=2)
+    assert host_only[DENSE] > 0 and host_only["optimizer"] > 0 and PYTHON in host_only
+    split = phase_table_ms(events, wall_ms=1e6, num_steps=2, device_time=True)
+    assert set(split) == {"host_ms", "device_ms", "wall_ms"} and split["wall_ms"] == 5e5
+    # The host's side is the same table, its rest named for what it is on a GPU (Python, or a wait).
+    assert split["host_ms"] == {**{k: v for k, v in host_only.items() if k != PYTHON}, HOST_REST_ON_GPU: host_only[PYTHON]}
+    assert set(split["device_ms"]) == set(host_only) - {PYTHON}
+    assert all(ms == 0 for ms in split["device_ms"].values())  # no kernel ran: a CPU profile has no device time

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningDataModule, Trainer
 
-from app.bench.data import RandomDataModule
+from app.bench.data import RandomDataModule, pins_batches
 from app.bench.dataset import open_dataset
 from app.bench.measure import StepClock, StepClockCallback
 from app.bench.settings import BenchSpec
@@ -45,15 +45,16 @@ def run_app(
         num_sanity_val_steps=0,
         callbacks=[SamplesPerSecond(), SaveOnSignal(), StepClockCallback(clock), TrainedBatchesCallback(trained)],
     )
-    trainer.fit(module, datamodule=_data_module(spec, rank))
+    trainer.fit(module, datamodule=_data_module(spec, rank, device))
     if trainer.global_step != spec.total_steps:
         raise RuntimeError(f"the app trained {trainer.global_step} steps instead of {spec.total_steps}")
     return {"plan": trainer.strategy.sharding_plan, "module": module}
 
 
-def _data_module(spec: BenchSpec, rank: int) -> LightningDataModule:
+def _data_module(spec: BenchSpec, rank: int, device: torch.device) -> LightningDataModule:
     """The app's own Criteo data module for a dataset (Lightning prepares and sets it up; with
-    ``max_epochs=-1``, ``max_steps`` runs through as many epochs as it takes), else random batches."""
+    ``max_epochs=-1``, ``max_steps`` runs through as many epochs as it takes; its loader pins batches
+    on GPU machines), else random batches, pinned for a GPU run."""
     if spec.dataset is not None:
         return open_dataset(spec.dataset)
-    return RandomDataModule(spec.data, spec.total_steps, spec.run.seed + rank)
+    return RandomDataModule(spec.data, spec.total_steps, spec.run.seed + rank, pins_batches(device))

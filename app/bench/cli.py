@@ -37,7 +37,7 @@ from torch.multiprocessing.spawn import ProcessException
 from app.bench.data import RandomData
 from app.bench.dataset import GROUP_DESCRIPTION, GROUP_TITLE, SKIPPED_SETTINGS, dataset_settings, read_dataset
 from app.bench.launch import run_on_ranks
-from app.bench.measure import step_statistics
+from app.bench.measure import growth_over_expected, step_statistics
 from app.bench.settings import BenchSpec, RunSettings, check_can_run, check_run_settings
 from app.data.datamodule import CriteoDataModule
 from app.distributed.strategy import TorchRecStrategy
@@ -144,15 +144,14 @@ def _emit(line: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_line(spec: BenchSpec, label: str, repeat: int, ranks: list[dict[str, Any]], overrides: dict[str, Any]) -> dict:
-    """One run's JSON line: rank 0's step statistics, every rank's memory, and what produced them."""
+    """One run's JSON line: rank 0's step statistics, every rank's memory (RSS, and HBM on GPUs), and
+    what produced them; with profiled steps, rank 0's phase table (and on GPUs the embedding
+    kernels' share of the HBM bandwidth)."""
     global_batch = spec.inputs.batch_size_per_rank * spec.run.world_size
     # Rows trained in each measured step on all ranks (measured step i trains batch warmup_steps + i).
     measured = slice(spec.run.warmup_steps, spec.run.warmup_steps + spec.run.measured_steps)
     samples_per_step = [sum(rows) for rows in zip(*(rank["rows_per_step"][measured] for rank in ranks))]
-    memory = [
-        {"rank": r, **rank["memory"], "growth_over_expected": rank["memory"]["rss_growth_bytes"] / rank["memory"]["expected_bytes"]}
-        for r, rank in enumerate(ranks)
-    ]
+    memory = [{"rank": r, **rank["memory"], "growth_over_expected": growth_over_expected(rank["memory"])} for r, rank in enumerate(ranks)]
     return {
         "bench": spec.name,
         "run": label,
@@ -167,6 +166,7 @@ def run_line(spec: BenchSpec, label: str, repeat: int, ranks: list[dict[str, Any
         "plan": ranks[0]["plan"],
         "batches_checksum_per_rank": [rank["batches_checksum"] for rank in ranks],
         **({"phases_ms_per_step_rank0": ranks[0]["phases_ms_per_step"]} if ranks[0]["phases_ms_per_step"] else {}),
+        **({"embedding_hbm_bandwidth_rank0": ranks[0]["embedding_hbm_bandwidth"]} if ranks[0]["embedding_hbm_bandwidth"] else {}),
         "device": device_description(spec),
         "versions": library_versions(),
         "config": {

@@ -3,6 +3,10 @@
 Like TorchRec's ``RandomRecDataset`` (which its DLRM trainer uses for random data), a few batches are
 generated once and then cycled, so that generating data is not what gets measured. That class is not
 used as it is because its labels are int64 and its batches lack the row ids the app's batches carry.
+
+For a GPU run the generated batches are pinned once (page-locked host memory), as the app's own
+loader pins its batches (``app/data/loader.py``): only from pinned memory does a ``non_blocking``
+copy to the GPU run asynchronously, which the pipelines' copy stream relies on to overlap it.
 """
 
 from __future__ import annotations
@@ -88,12 +92,21 @@ def random_batch(data: RandomData, generator: torch.Generator) -> CriteoBatch:
     )
 
 
-class RandomBatches(IterableDataset):
-    """``num_batches`` batches cycled from a pool generated from ``seed`` (different on every rank)."""
+def pins_batches(device: torch.device) -> bool:
+    """Whether batches for ``device`` are pinned: for a GPU (CUDA, or ROCm, which torch calls cuda)
+    only; a CPU run copies nothing, and pinning needs a GPU driver."""
+    return device.type == "cuda"
 
-    def __init__(self, data: RandomData, num_batches: int, seed: int) -> None:
+
+class RandomBatches(IterableDataset):
+    """``num_batches`` batches cycled from a pool generated from ``seed`` (different on every rank),
+    pinned once with ``pin_memory`` (rather than by the DataLoader, which would copy every batch again)."""
+
+    def __init__(self, data: RandomData, num_batches: int, seed: int, pin_memory: bool = False) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.pool = [random_batch(data, generator) for _ in range(data.num_generated_batches)]
+        if pin_memory:
+            self.pool = [batch.pin_memory() for batch in self.pool]
         self.num_batches = num_batches
 
     def __iter__(self) -> Iterator[CriteoBatch]:
@@ -103,17 +116,17 @@ class RandomBatches(IterableDataset):
         return self.num_batches
 
 
-def random_loader(data: RandomData, num_batches: int, seed: int) -> DataLoader:
+def random_loader(data: RandomData, num_batches: int, seed: int, pin_memory: bool = False) -> DataLoader:
     """Already-built batches: no collation, no worker processes (both sides get the same loader)."""
-    return DataLoader(RandomBatches(data, num_batches, seed), batch_size=None)
+    return DataLoader(RandomBatches(data, num_batches, seed, pin_memory), batch_size=None)
 
 
 class RandomDataModule(LightningDataModule):
     """The random batches as a LightningDataModule, for the app's side of the benchmark."""
 
-    def __init__(self, data: RandomData, num_batches: int, seed: int) -> None:
+    def __init__(self, data: RandomData, num_batches: int, seed: int, pin_memory: bool = False) -> None:
         super().__init__()
-        self.data, self.num_batches, self.seed = data, num_batches, seed
+        self.data, self.num_batches, self.seed, self.pin_memory = data, num_batches, seed, pin_memory
 
     def train_dataloader(self) -> DataLoader:
-        return random_loader(self.data, self.num_batches, self.seed)
+        return random_loader(self.data, self.num_batches, self.seed, self.pin_memory)

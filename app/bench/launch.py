@@ -19,11 +19,14 @@ import torch.multiprocessing as mp
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from app.bench.measure import StepClock, autograd_working_set_bytes, expected_memory_bytes, peak_memory
-from app.bench.phases import StepProfiler
+from app.bench.measure import (
+    StepClock, autograd_working_set_bytes, embedding_bytes_per_step, expected_memory_bytes, hbm_bandwidth_share, peak_memory,
+)  # fmt: skip
+from app.bench.phases import EMBEDDING, StepProfiler
 from app.bench.settings import BenchSpec
 from app.bench.trained_batches import TrainedBatches
 from app.distributed.sharding import format_plan
+from app.distributed.topology import resolve_topology
 from app.model.dlrm import table_name
 from app.notices import silence_library_notices
 
@@ -65,7 +68,7 @@ def _worker(
     run = spec.run
     profiler = None
     if run.profile_steps and rank == 0:
-        profiler = StepProfiler(Path(run.output_dir) / f"{spec.name}_{label}_rank0.trace.json")
+        profiler = StepProfiler(Path(run.output_dir) / f"{spec.name}_{label}_rank0.trace.json", device)
     clock = StepClock(run.warmup_steps, run.measured_steps, device, profiler, run.profile_steps)
     trained = TrainedBatches()
     # Imported here: each side pays only for its own libraries.
@@ -92,15 +95,42 @@ def _rank_report(spec: BenchSpec, rank: int, device: torch.device, clock: StepCl
     )  # fmt: skip
     inputs = spec.inputs
     step_bytes = autograd_working_set_bytes(model, inputs.batch_size_per_rank, inputs.pooling_factors())
+    # Mapped data files are host memory: they count against RSS on CPU, not against HBM on GPUs.
+    mapped_bytes = inputs.mapped_data_bytes(spec.total_steps) if device.type == "cpu" else 0
     expected = expected_memory_bytes(
         result["plan"], rank, table_shapes, model["sparse_optimizer"], dense_parameters, model["dense_optimizer"],
-        inputs.batch_bytes(), step_bytes, inputs.mapped_data_bytes(spec.total_steps),
-        inputs.batch_size_per_rank * spec.run.world_size,
+        inputs.batch_bytes(), step_bytes, mapped_bytes, inputs.batch_size_per_rank * spec.run.world_size,
     )  # fmt: skip
     return {
         "step_times_s": clock.step_times_s(),
         "phases_ms_per_step": clock.phases_ms,
-        "memory": {**peak_memory(device, clock.rss_at_setup_bytes), "expected_bytes": expected},
+        "memory": {**peak_memory(device, clock.rss_at_setup_bytes, clock.hbm), "expected_bytes": expected},
         "threads": torch.get_num_threads(),
         "plan": format_plan(result["plan"]),
+        "embedding_hbm_bandwidth": _embedding_hbm_bandwidth(spec, rank, device, clock, result, table_shapes),
+    }
+
+
+def _embedding_hbm_bandwidth(
+    spec: BenchSpec, rank: int, device: torch.device, clock: StepClock, result: dict[str, Any],
+    table_shapes: dict[str, tuple[int, int]],
+) -> dict[str, Any] | None:
+    """The embedding kernels' share of the HBM bandwidth (see measure.embedding_bytes_per_step): on a
+    GPU run with profiled steps only, where the profiler gives the kernels' device time."""
+    if device.type != "cuda" or clock.phases_ms is None or "device_ms" not in clock.phases_ms:
+        return None
+    model = spec.model_args()
+    ids_per_lookup = {table: m for table, m in zip(table_shapes, spec.inputs.pooling_factors())}
+    bytes_per_step = embedding_bytes_per_step(
+        result["plan"], rank, table_shapes, ids_per_lookup, spec.inputs.batch_size_per_rank, spec.run.world_size,
+        model["sparse_optimizer"],
+    )  # fmt: skip
+    topology = resolve_topology(spec.strategy.get("topology", "auto"), spec.strategy.get("topology_overrides"), device)
+    device_ms = clock.phases_ms["device_ms"][EMBEDDING]
+    return {
+        "share": hbm_bandwidth_share(bytes_per_step, device_ms, topology.hbm_bw_gb_per_s),
+        "estimated_bytes_per_step": bytes_per_step,
+        "lookup_device_ms_per_step": device_ms,
+        "hbm_bw_gb_per_s": topology.hbm_bw_gb_per_s,
+        "topology": topology.name,
     }

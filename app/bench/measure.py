@@ -3,7 +3,13 @@
 Step times are the intervals between the ends of consecutive steps, so they include everything a
 step costs: fetching the batch, the input all-to-all, forward, backward, the optimizer and, on the
 app's side, what Lightning adds around them. On GPUs the clock is synchronised with the device at
-the start and end of the measured steps only, so that per-step syncs do not break a pipeline's overlap.
+the start and end of the measured steps (and of the profiled steps) only, so that per-step syncs do
+not break a pipeline's overlap.
+
+Memory: resident memory (RSS) on every device; on GPUs, where the tables live in HBM, also the HBM
+the caching allocator held at the start of the measured steps and its peak over them (the peak is
+reset after warm-up, so that set-up and the first steps' allocations do not count), and that HBM
+peak is what is compared with what a rank must hold.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ class StepClock:
         self.profiler, self.profile_steps = profiler, profile_steps
         self.step_end_s: list[float] = []
         self.rss_at_setup_bytes = 0
-        self.phases_ms: dict[str, float] | None = None
+        self.phases_ms: dict[str, Any] | None = None
+        self.hbm: dict[str, int] = {}  # on GPUs: HBM at the start of the measured steps and its peak over them
 
     def mark_setup(self) -> None:
         """Call once the process group exists and before the model is built: memory grows from here."""
@@ -49,14 +56,23 @@ class StepClock:
     def step_ended(self) -> None:
         ended = len(self.step_end_s) + 1
         measured_end = self.warmup_steps + self.measured_steps
-        if self.device.type == "cuda" and ended in (self.warmup_steps, measured_end):
+        profiled_end = measured_end + self.profile_steps if self.profiler is not None else None
+        on_gpu = self.device.type == "cuda"
+        if on_gpu and ended in (self.warmup_steps, measured_end, profiled_end):
+            # Queued kernels finish inside the window they belong to; CUDA only: a CPU step is done when it returns.
             torch.cuda.synchronize(self.device)
         self.step_end_s.append(time.perf_counter())
+        if on_gpu and ended == self.warmup_steps:
+            torch.cuda.reset_peak_memory_stats(self.device)  # the peak of the measured steps, not of set-up
+            self.hbm["hbm_allocated_at_measure_start_bytes"] = torch.cuda.memory_allocated(self.device)
+        if on_gpu and ended == measured_end:
+            self.hbm["peak_hbm_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            self.hbm["peak_hbm_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
         if self.profiler is not None and ended == measured_end:
             self.profiler.start()
-        if self.profiler is not None and ended == measured_end + self.profile_steps:
+        if ended == profiled_end:
             wall_ms = (self.step_end_s[-1] - self.step_end_s[measured_end - 1]) * 1e3
-            self.phases_ms = self.profiler.stop(wall_ms, self.profile_steps)
+            self.phases_ms = self.profiler.stop(wall_ms, self.profile_steps)  # type: ignore[union-attr]
 
     def step_times_s(self) -> list[float]:
         """Durations of the measured steps: the first measured step starts when the last warm-up step ends."""
@@ -83,14 +99,24 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def peak_memory(device: torch.device, rss_at_setup_bytes: int) -> dict[str, int]:
-    """Peak resident memory of this process (and peak device memory on GPUs), and its growth from the
-    moment the process group existed and the model was not built yet: what the model and training take."""
+def peak_memory(device: torch.device, rss_at_setup_bytes: int, hbm: dict[str, int] | None = None) -> dict[str, Any]:
+    """Peak resident memory of this process and its growth from the moment the process group existed
+    and the model was not built yet (what the model and training take); on GPUs also the clock's HBM
+    figures (``hbm``). ``basis`` names the figure compared with what the rank must hold: ``rss`` on
+    CPU, ``hbm`` on GPUs, where the tables, their state and the batches live in HBM and RSS holds
+    the CUDA context and libraries instead."""
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    memory = {"peak_rss_bytes": peak_rss, "rss_growth_bytes": peak_rss - rss_at_setup_bytes}
+    memory: dict[str, Any] = {"peak_rss_bytes": peak_rss, "rss_growth_bytes": peak_rss - rss_at_setup_bytes}
     if device.type == "cuda":
-        memory["peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
-    return memory
+        return {**memory, **(hbm or {}), "basis": "hbm"}
+    return {**memory, "basis": "rss"}
+
+
+def growth_over_expected(memory: dict[str, Any]) -> float:
+    """The memory a rank used over what it must hold: peak HBM over the measured steps on GPUs, RSS
+    growth on CPU (see ``peak_memory``)."""
+    used = memory["peak_hbm_allocated_bytes"] if memory["basis"] == "hbm" else memory["rss_growth_bytes"]
+    return used / memory["expected_bytes"]
 
 
 def expected_memory_bytes(
@@ -124,6 +150,48 @@ def expected_memory_bytes(
     dense_bytes = dense_parameters * _FLOAT32_BYTES * (3 + _STATE_PER_ELEMENT[dense_optimizer])
     lookup_bytes = 2 * global_batch_size * sharded_columns * _FLOAT32_BYTES
     return table_bytes + dense_bytes + 3 * batch_bytes + step_bytes + lookup_bytes + mapped_data_bytes
+
+
+def embedding_bytes_per_step(
+    plan: ShardingPlan, rank: int, table_shapes: dict[str, tuple[int, int]], ids_per_lookup: dict[str, float],
+    batch_size_per_rank: int, world_size: int, sparse_optimizer: str,
+) -> int:
+    """An estimate of the bytes rank ``rank``'s embedding kernels move in HBM per training step: the
+    forward reads each looked-up row, writes the pooled bags; the backward with the fused optimizer
+    reads the bags' gradients and reads and writes each looked-up row with its optimizer state.
+
+    An upper estimate: ids are counted with repeats (FBGEMM's backward updates each distinct row
+    once), and a row-wise shard is taken to receive its share of the ids by its share of the rows
+    (exact in expectation for the bench's uniform random ids, not for a real dataset's skewed ones).
+    A sharded table's shards see the global batch (after the input all-to-all); a replicated
+    (data-parallel) table sees the rank's own batch.
+    """
+    state = _STATE_PER_ELEMENT[sparse_optimizer]
+    total_bytes = 0.0
+    for module_plan in plan.plan.values():
+        for table, sharding in module_plan.items():  # type: ignore[union-attr]
+            rows, cols = table_shapes[table]
+            if sharding.sharding_spec is None:
+                pieces = [(batch_size_per_rank, 1.0, cols)]
+            else:
+                pieces = [
+                    (batch_size_per_rank * world_size, shard.shard_sizes[0] / rows, shard.shard_sizes[1])
+                    for shard in sharding.sharding_spec.shards if shard.placement.rank() == rank
+                ]  # fmt: skip
+            for bags, row_share, shard_cols in pieces:
+                ids = bags * ids_per_lookup[table] * row_share
+                row_bytes = shard_cols * _FLOAT32_BYTES
+                row_and_state_bytes = row_bytes * (1 + state) + (_FLOAT32_BYTES if sparse_optimizer == "row_wise_adagrad" else 0)
+                total_bytes += ids * row_bytes + 2 * bags * row_bytes + 2 * ids * row_and_state_bytes
+    return int(total_bytes)
+
+
+def hbm_bandwidth_share(bytes_per_step: int, lookup_device_ms_per_step: float, hbm_bw_gb_per_s: float) -> float | None:
+    """The share of the HBM bandwidth the embedding kernels reach: bytes moved over the time their
+    kernels ran, over the bandwidth the topology preset gives; None without kernel time."""
+    if lookup_device_ms_per_step <= 0:
+        return None
+    return bytes_per_step / (lookup_device_ms_per_step / 1e3) / (hbm_bw_gb_per_s * 1e9)
 
 
 def autograd_working_set_bytes(model_args: dict[str, Any], batch_size: int, pooling_factors: list[float]) -> int:

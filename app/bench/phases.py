@@ -9,6 +9,16 @@ runs in, so the aten ops inside ``Optimizer.step`` are optimizer time; a combine
 inside which Lightning runs forward and backward as the step's closure, is not a phase of its own.
 What no op accounts for is Python: the training loop itself, and on the app's side what Lightning
 does around each step.
+
+On GPUs the host's time says little about the device's: ops return once their kernels are queued,
+so the host's time per phase is launch cost, and time the device spends is spent later, while the
+host waits wherever it next synchronises (inside an op, or outside any op, which would read as
+"python"). There the table is two tables: ``host_ms``, the host's time per phase with the rest
+named for what it may be (Python, or a wait for the device outside any op), and ``device_ms``, the
+time of the kernels each phase's ops launched (the profiler's device time, attributed through the
+op that launched them; kernels on different streams overlap, so they may add up to more than the
+wall time). The clock synchronises with the device at the end of the profiled steps, so that the
+wall time covers the kernels they queued.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.autograd.profiler_util import FunctionEvent
 
 # (phase, name fragments), in the order a name is tested.
@@ -28,6 +39,8 @@ PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 DENSE = "dense forward/backward"
 PYTHON = "python: loop, hooks, framework"
+HOST_REST_ON_GPU = "python, or waiting for the GPU outside any op"
+EMBEDDING = PHASES[2][0]
 
 
 def _phase_of(name: str) -> str | None:
@@ -49,34 +62,64 @@ def _innermost_phase(event: FunctionEvent) -> str | None:
     return None
 
 
-def phase_table_ms(events: list[FunctionEvent], wall_ms: float, num_steps: int) -> dict[str, float]:
-    """Milliseconds per step spent in each phase; the rest of the wall time is Python."""
+def _in_an_op(event: FunctionEvent) -> bool:
+    """Whether the event is an aten/autograd op or runs inside one (e.g. a CUDA runtime call it makes)."""
+    node = event
+    while node is not None:
+        if node.name.startswith("aten::") or node.name.startswith("autograd::"):
+            return True
+        node = node.cpu_parent
+    return False
+
+
+def _phase_totals_ms(events: list[FunctionEvent], time_of) -> dict[str, float]:
+    """``time_of(event)`` in ms summed per phase over the host-side events; a scope of its own (e.g.
+    "## forward ##") counts only through its ops, and device-side events only through the host op
+    that launched them (its device time)."""
     totals: dict[str, float] = {phase: 0.0 for phase, _ in PHASES} | {DENSE: 0.0}
     for event in events:
+        if event.device_type != DeviceType.CPU:
+            continue
         phase = _innermost_phase(event)
-        if phase is None and not (event.name.startswith("aten::") or event.name.startswith("autograd::")):
-            continue  # a scope of its own (e.g. "## forward ##"): its ops are counted, not the scope
-        totals[phase or DENSE] += event.self_cpu_time_total / 1e3
-    per_step = {phase: total / num_steps for phase, total in totals.items()}
-    per_step[PYTHON] = max(0.0, wall_ms / num_steps - sum(per_step.values()))
-    return per_step
+        if phase is None and not _in_an_op(event):
+            continue
+        totals[phase or DENSE] += time_of(event) / 1e3
+    return totals
+
+
+def phase_table_ms(events: list[FunctionEvent], wall_ms: float, num_steps: int, device_time: bool = False) -> dict:
+    """Milliseconds per step spent in each phase; the rest of the wall time is Python. With
+    ``device_time`` (a GPU run): ``{"host_ms": ..., "device_ms": ..., "wall_ms": ...}``, see the module."""
+    host = {phase: total / num_steps for phase, total in _phase_totals_ms(events, lambda e: e.self_cpu_time_total).items()}
+    rest_ms = max(0.0, wall_ms / num_steps - sum(host.values()))
+    if not device_time:
+        return host | {PYTHON: rest_ms}
+    device = _phase_totals_ms(events, lambda e: e.self_device_time_total)
+    return {
+        "host_ms": host | {HOST_REST_ON_GPU: rest_ms},
+        "device_ms": {phase: total / num_steps for phase, total in device.items()},
+        "wall_ms": wall_ms / num_steps,
+    }
 
 
 class StepProfiler:
-    """Profiles the steps between ``start()`` and ``stop()`` (CPU, and CUDA when used) into a trace file."""
+    """Profiles the steps between ``start()`` and ``stop()`` (the host, and the device's kernels on a
+    GPU run) into a trace file."""
 
-    def __init__(self, trace_path: Path) -> None:
+    def __init__(self, trace_path: Path, device: torch.device) -> None:
         self.trace_path = trace_path
+        # By the run's device, not by what the machine has: a CPU run on a GPU machine gets the CPU table.
+        self.device_time = device.type == "cuda"
         activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        if self.device_time:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)  # ROCm too: HIP kernels are reported as CUDA
         self.profiler = torch.profiler.profile(activities=activities)
 
     def start(self) -> None:
         self.profiler.start()
 
-    def stop(self, wall_ms: float, num_steps: int) -> dict[str, float]:
+    def stop(self, wall_ms: float, num_steps: int) -> dict:
         self.profiler.stop()
         self.trace_path.parent.mkdir(parents=True, exist_ok=True)
         self.profiler.export_chrome_trace(str(self.trace_path))
-        return phase_table_ms(list(self.profiler.events()), wall_ms, num_steps)
+        return phase_table_ms(list(self.profiler.events()), wall_ms, num_steps, self.device_time)

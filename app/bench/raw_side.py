@@ -25,7 +25,7 @@ from torchrec.distributed.types import ShardingEnv
 from torchrec.models.dlrm import DLRMTrain
 from torchrec.optim.keyed import CombinedOptimizer
 
-from app.bench.data import random_loader
+from app.bench.data import pins_batches, random_loader
 from app.bench.dataset import epochs, open_dataset
 from app.bench.measure import StepClock
 from app.bench.settings import BenchSpec
@@ -92,7 +92,7 @@ def run_raw(
     if dataset is not None:
         batches = epochs(dataset.train_dataloader())
     else:
-        batches = iter(random_loader(spec.data, spec.total_steps, spec.run.seed + rank))
+        batches = iter(random_loader(spec.data, spec.total_steps, spec.run.seed + rank, pins_batches(device)))
     batches = trained.recording(islice(batches, spec.total_steps))  # the pipeline trains every batch it pulls
     for step in range(spec.total_steps):
         pipeline.progress(batches)
