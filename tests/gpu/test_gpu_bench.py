@@ -1,0 +1,63 @@
+"""``make bench`` on GPUs: the app against the plain TorchRec loop on every GPU of the machine (up to 8),
+with the HBM figures and the embedding kernels' share of the HBM bandwidth in the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpu_env import gpu_count
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH_TIMEOUT_S = 600
+# `make bench` is `python -m app.bench $(BENCH_ARGS)`; called directly so that make does not redo the
+# environment. The torchrec_reference preset (26 tables x 100,000 x 64, Adagrad, batch 512 per
+# process on CPU) moved to the GPUs with a batch a GPU is used with: 4,096 per GPU. Two repeats of the
+# app, its plain-loop variant and the raw loop; 5 profiled steps give the phase table and the share.
+GPU_BENCH_ARGS = [
+    "--preset", "torchrec_reference", "--run.accelerator", "gpu", "--data.batch_size_per_rank", "4096",
+    "--run.repeats", "2", "--run.warmup_steps", "20", "--run.measured_steps", "100", "--run.profile_steps", "5",
+]  # fmt: skip
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "GLOBAL_RANK", "RANK")
+
+
+def test_the_bench_on_gpus_app_against_raw(tmp_path, record_property):
+    world_size = min(gpu_count(), 8)
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES} | {"PYTHONPATH": str(REPO)}
+    command = [sys.executable, "-m", "app.bench", *GPU_BENCH_ARGS, "--run.world_size", str(world_size), "--run.output_dir", str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    runs, summary = lines[:-1], lines[-1]
+    assert summary["summary"] is True and len(runs) == 6
+    assert summary["same_plan"] is True and summary["same_batches"] is True
+    for line in runs:
+        assert line["device"].startswith(f"{world_size} x ") and line["world_size"] == world_size
+        for rank in line["peak_memory_per_rank"]:
+            # The tables live in HBM: the peak over the measured steps is compared with what a rank must hold.
+            assert rank["basis"] == "hbm" and rank["peak_hbm_allocated_bytes"] >= rank["hbm_allocated_at_measure_start_bytes"] > 0
+        phases = line["phases_ms_per_step_rank0"]
+        assert set(phases) == {"host_ms", "device_ms", "wall_ms"}
+        share = line["embedding_hbm_bandwidth_rank0"]
+        assert share["share"] is not None and share["share"] > 0 and share["lookup_device_ms_per_step"] > 0
+    record_property("world_size", world_size)
+    record_property("summary", {k: v for k, v in summary.items() if not k.endswith("_per_repeat")})
+    record_property("runs", [
+        {
+            "run": line["run"], "repeat": line["repeat"], "samples_per_s_median": line["samples_per_s_median"],
+            "step_ms_p50": line["step_ms_p50"],
+            "peak_hbm_allocated_bytes": [r["peak_hbm_allocated_bytes"] for r in line["peak_memory_per_rank"]],
+            "growth_over_expected": [r["growth_over_expected"] for r in line["peak_memory_per_rank"]],
+            "peak_rss_bytes": [r["peak_rss_bytes"] for r in line["peak_memory_per_rank"]],
+            "embedding_hbm_bandwidth_rank0": line["embedding_hbm_bandwidth_rank0"],
+            "phases_ms_per_step_rank0": line["phases_ms_per_step_rank0"],
+        }
+        for line in runs
+    ])  # fmt: skip
