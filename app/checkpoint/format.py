@@ -333,19 +333,61 @@ def load_sharded_state(
     the checkpoint was written under, ``current_plan`` the one ``module`` is sharded with.
     """
     assert current_plan is not None
-    if plan_to_json(saved_plan) != plan_to_json(current_plan):
+    if _plan_json_by_rank(saved_plan) != _plan_json_by_rank(current_plan):
         # The fused optimizer's state keys and shapes follow the plan (torchrec#2394): app/checkpoint/reshard.py maps them.
         load_resharded(
             checkpoint_dir, module, optimizers, saved_plan, current_plan, lambda: SafeFileSystemReader(checkpoint_dir)
         )
-        return
-    tensors: dict[str, Any] = {"state_dict": module.state_dict()}
-    if optimizers:
-        for optimizer in optimizers:
-            optimizer.init_state()  # fused optimizer state is lazy: give DCP tensors to load into
-        tensors["optimizer_states"] = [optimizer.state_dict() for optimizer in optimizers]
-    dcp.load(tensors, storage_reader=SafeFileSystemReader(checkpoint_dir))
-    module.load_state_dict(tensors["state_dict"])
-    for optimizer, state in zip(optimizers, tensors.get("optimizer_states", [])):
-        optimizer.load_state_dict(state)
+    else:
+        tensors: dict[str, Any] = {"state_dict": module.state_dict()}
+        if optimizers:
+            for optimizer in optimizers:
+                optimizer.init_state()  # fused optimizer state is lazy: give DCP tensors to load into
+            tensors["optimizer_states"] = [optimizer.state_dict() for optimizer in optimizers]
+        dcp.load(tensors, storage_reader=SafeFileSystemReader(checkpoint_dir))
+        module.load_state_dict(tensors["state_dict"])
+        for optimizer, state in zip(optimizers, tensors.get("optimizer_states", [])):
+            optimizer.load_state_dict(state)
+    restore_fused_optimizer_step(checkpoint_dir, optimizers)
 
+
+def restore_fused_optimizer_step(checkpoint_dir: str | os.PathLike, optimizers: list[Any]) -> None:
+    """Sets the step count of FBGEMM's fused embedding optimizers to the checkpoint's ``global_step``.
+
+    FBGEMM's Adam takes its bias correction (1 - beta ** step) from the kernel's ``iter`` buffer, which
+    is in neither the module's nor the optimizer's state dict (TorchRec keeps the kernels out of the
+    module tree and its fused optimizer exposes only the moments), so a resumed run would start the
+    correction over at step 1. TorchRec offers the setter, not a getter: ``set_optimizer_step`` on its
+    keyed optimizers reaches every kernel. The count set is Lightning's ``global_step``, the number
+    of training updates (one per batch; ``trainer.accumulate_grad_batches`` other than 1 is refused).
+    FBGEMM itself advances ``iter`` at every forward of the kernel, evaluation batches included, so
+    an uninterrupted run's count runs ahead of its training steps by the evaluation batches; the
+    restored count leaves those out. FBGEMM copies ``iter`` into the count it computes with at the
+    first forward after construction, which is the first forward after a resume.
+    """
+    if not optimizers:
+        return
+    meta = json.loads((Path(checkpoint_dir) / META_FILE).read_text())
+    step = meta.get("global_step")
+    if step is None:
+        return
+    for optimizer in optimizers:
+        if hasattr(optimizer, "set_optimizer_step"):
+            optimizer.set_optimizer_step(int(step))
+
+
+
+def _plan_json_by_rank(plan: ShardingPlan) -> dict[str, Any]:
+    """The plan's JSON with each placement cut to its rank (``rank:1/cuda:1`` -> ``rank:1``).
+
+    The strategy points a saved plan's placements at the devices of the run that loads it
+    (app/distributed/placements.py); what DCP reads does not depend on the device, so a plan that
+    differs from the saved one in its devices only loads as it is, without resharding.
+    """
+    data = plan_to_json(plan)  # a fresh dict: changed in place
+    for parameters in data["modules"].values():
+        for parameter in parameters.values():
+            for shard in parameter["shards"] or []:
+                if shard["placement"] is not None:
+                    shard["placement"] = shard["placement"].split("/")[0]
+    return data
