@@ -21,16 +21,30 @@ loading (validate), not on training.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 
-from app.checkpoint.reshard import SliceLoadPlanner, column_weighted_mean
+from app.checkpoint.reshard import (
+    RowwiseTarget,
+    SliceLoadPlanner,
+    TableLayout,
+    column_weighted_mean,
+    load_rowwise,
+    refuse_adam_across_data_parallel,
+    rowwise_targets,
+)
 from app.data.dataset import CriteoBatches
 from app.data.loader import ResumableBatchLoader
 from app.data.tsv import CriteoArrays
-from reshard_runs import SPLIT_TABLE, eval_args, fit_with_checkpoints, plan_args, table_key
+from reshard_runs import SPLIT_TABLE, WRITER_PLAN, eval_args, fit_with_checkpoints, plan_args, table_key
 from multiprocess import run_on_ranks
 from test_sharding import shards_and_predictions
 
@@ -135,3 +149,110 @@ def test_slices_of_a_stacked_row_wise_accumulator_load_and_merge_by_column_width
     assert merged.tolist() == [11.0, 16.5, 22.0]
     # A 6-column shard over columns [2, 8): 2 of the left shard's columns, all 4 of the right one's.
     assert column_weighted_mean([(left[:1], 2), (right[1:2], 4)], width=6).tolist() == pytest.approx([(0 * 2 + 10 * 4) / 6])
+
+
+# ---- row-wise branches (row_wise and table_row_wise are GPU-only here), at the function level ----
+# A 6-row, 8-column table "t". FBGEMM keeps one row-wise Adagrad accumulator per row and column
+# shard: column shards' vectors stacked (K * rows,), a row-wise table's one vector (rows,) split
+# into row ranges across ranks, a data-parallel table's (rows, 1).
+
+ROWWISE_KEY = "optimizer_states.0.state.sparse.embedding_bags.t.weight.t.momentum1"
+COLUMN_WISE = TableLayout("column_wise", ((0, 0, 6, 4, 0), (0, 4, 6, 4, 1)))
+ROW_WISE = TableLayout("row_wise", ((0, 0, 3, 8, 0), (3, 0, 3, 8, 1)))
+MODEL_STATE = {"model.sparse_arch.embedding_bag_collection.embedding_bags.t.weight": torch.empty(6, 8)}
+
+
+def _load_into(tmp_path, saved: torch.Tensor, saved_layout: TableLayout, targets: list[RowwiseTarget]) -> None:
+    dcp.save({ROWWISE_KEY: saved}, checkpoint_id=tmp_path, no_dist=True)
+    saved_md = dcp.FileSystemReader(tmp_path).read_metadata().state_dict_metadata[ROWWISE_KEY]
+    rowwise = [(ROWWISE_KEY, target, saved_md) for target in targets]
+    load_rowwise(tmp_path, lambda: dcp.FileSystemReader(tmp_path), rowwise, {"t": saved_layout}, MODEL_STATE)
+
+
+def test_row_wise_shards_from_column_shards_get_the_column_mean_of_their_rows(tmp_path):
+    left, right = torch.arange(6.0), torch.arange(6.0) * 10
+    top, bottom = torch.zeros(3), torch.zeros(3)  # rank 0 holds rows [0, 3), rank 1 rows [3, 6), all 8 columns
+    _load_into(tmp_path, torch.cat([left, right]), COLUMN_WISE, [RowwiseTarget(top, 0, 0, 8), RowwiseTarget(bottom, 3, 0, 8)])
+    assert top.tolist() == [0.0, 5.5, 11.0]
+    assert bottom.tolist() == [16.5, 22.0, 27.5]
+
+
+def test_row_wise_shards_on_three_ranks_from_two_and_column_shards_from_them_keep_the_values(tmp_path):
+    saved = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])  # row-wise on 2 ranks: rows [0, 3) and [3, 6)
+    thirds = [torch.zeros(2) for _ in range(3)]
+    left, right = torch.zeros(6), torch.zeros(6)  # column-wise: each column shard's whole vector
+    targets = [RowwiseTarget(t, 2 * i, 0, 8) for i, t in enumerate(thirds)]
+    targets += [RowwiseTarget(left, 0, 0, 4), RowwiseTarget(right, 0, 4, 8)]
+    _load_into(tmp_path, saved, ROW_WISE, targets)
+    assert [t.tolist() for t in thirds] == [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
+    assert left.tolist() == right.tolist() == saved.tolist()  # a split shard starts from its parent's value
+
+
+def test_a_row_wise_shard_from_a_data_parallel_replica_reads_its_rows(tmp_path):
+    bottom = torch.zeros(3)
+    _load_into(tmp_path, torch.arange(6.0).reshape(6, 1) + 1, TableLayout("data_parallel", ()), [RowwiseTarget(bottom, 3, 0, 8)])
+    assert bottom.tolist() == [4.0, 5.0, 6.0]
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_row_wise_and_stacked_accumulator_shards_name_their_rows_and_columns(one_rank_group):
+    # Row-wise: two row ranges of one (6,) vector (here both on this one rank).
+    halves = [torch.zeros(3), torch.zeros(3)]
+    row_wise = init_from_local_shards([Shard.from_tensor_and_offsets(h, [3 * i], 0) for i, h in enumerate(halves)], 6)
+    targets = rowwise_targets(row_wise, 6, ROW_WISE.column_ranges(8))
+    assert [(t.row, t.col_start, t.col_stop) for t in targets] == [(0, 0, 8), (3, 0, 8)]
+    assert [t.tensor.data_ptr() for t in targets] == [h.data_ptr() for h in halves]  # written in place
+    # Column-wise: the two column shards' vectors stacked into (12,).
+    stacked = init_from_local_shards([Shard.from_tensor_and_offsets(h, [6 * i], 0) for i, h in enumerate([torch.zeros(6)] * 2)], 12)
+    targets = rowwise_targets(stacked, 6, COLUMN_WISE.column_ranges(8))
+    assert [(t.row, t.col_start, t.col_stop) for t in targets] == [(0, 0, 4), (0, 4, 8)]
+
+
+def test_adam_state_between_data_parallel_and_a_fused_sharding_is_refused_naming_the_table(tmp_path):
+    data_parallel = {"t": TableLayout("data_parallel", ()), "u": TableLayout("table_wise", ((0, 0, 6, 8, 0),))}
+    fused = {"t": TableLayout("table_wise", ((0, 0, 6, 8, 1),)), "u": TableLayout("column_wise", COLUMN_WISE.shards)}
+    saved_adam = {f"optimizer_states.0.state.sparse.embedding_bags.t.weight.{name}": None for name in ("exp_avg", "exp_avg_sq", "step")}
+    with pytest.raises(ValueError, match=r"table t was trained with model.sparse_optimizer adam under data_parallel and this run shards it table_wise"):
+        refuse_adam_across_data_parallel(tmp_path, saved_adam, data_parallel, fused)
+    saved_adagrad = {"optimizer_states.0.state.sparse.embedding_bags.t.weight.sum": None}
+    refuse_adam_across_data_parallel(tmp_path, saved_adagrad, data_parallel, fused)  # Adagrad's state is mapped
+    refuse_adam_across_data_parallel(tmp_path, saved_adam, data_parallel, data_parallel)  # same plan: loads as it is
+
+
+def _shards_predictions_and_kernel_steps(cli) -> dict:
+    """shards_and_predictions, plus the step count (``iter``) of every FBGEMM kernel on the rank."""
+    collection = cli.trainer.lightning_module.model.sparse_arch.embedding_bag_collection
+    kernels = [m for lookup in collection._lookups for m in lookup.modules() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
+    return {**shards_and_predictions(cli), "kernel_steps": [int(kernel.iter) for kernel in kernels]}
+
+
+def test_a_plan_saved_with_gpu_placements_resumes_on_cpu_and_the_kernels_continue_the_step_count(checkpoint_writer, sample, tmp_path):
+    # The writer's step-8 checkpoint as a GPU run would have written it: every placement on cuda:<rank>.
+    checkpoint = tmp_path / "gpu_written.ckpt"
+    shutil.copytree(checkpoint_writer["root"] / "checkpoints" / "step=8.ckpt", checkpoint)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    for parameters in meta["sharding_plan"]["modules"].values():
+        for parameter in parameters.values():
+            for shard in parameter["shards"] or []:
+                rank = shard["placement"].split("/")[0]
+                shard["placement"] = f"{rank}/cuda:{rank.removeprefix('rank:')}"
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    args = fit_with_checkpoints(sample, tmp_path, 2, plan_args("table_wise", WRITER_PLAN), ["--ckpt_path", str(checkpoint)])
+    ranks = run_on_ranks(2, args, tmp_path, _shards_predictions_and_kernel_steps)
+    # The saved plan was reused (on the CPU) and training continued exactly as the uninterrupted writer.
+    assert [r["shards"] for r in ranks][0] == checkpoint_writer["result"]["shards"]
+    np.testing.assert_allclose(ranks[0]["probabilities"], checkpoint_writer["result"]["probabilities"], rtol=0, atol=1e-6)
+    # Every fused kernel's step count (FBGEMM's Adam corrects its bias by it) starts from the saved
+    # global_step, 8, and FBGEMM adds one per forward: the 13 of this run (8 training steps, then the
+    # validation batches and the inspection's prediction). Not restored, it would read 13.
+    assert ranks[0]["global_step"] == 16
+    assert ranks[0]["kernel_steps"] and set(ranks[0]["kernel_steps"]) == {8 + 13}
+    plan = json.loads((tmp_path / "sharding_plan.json").read_text())["plan"]
+    placements = {s["placement"] for p in plan["modules"].values() for q in p.values() for s in q["shards"] or []}
+    assert placements == {"rank:0/cpu", "rank:1/cpu"}  # the run's own devices in its plan report

@@ -138,7 +138,7 @@ class SliceLoadPlanner(DefaultLoadPlanner):
 
 
 @dataclass
-class _RowwiseTarget:
+class RowwiseTarget:
     """One piece of a current row-wise accumulator: rows [row, row + n) of the columns [col_start, col_stop)."""
 
     tensor: torch.Tensor  # (n,) view to write into
@@ -168,9 +168,10 @@ def load_resharded(
     for table, layout in (*saved_layouts.items(), *current_layouts.items()):
         if layout.sharding_type == "grid_shard":  # its row-wise state is stacked per node as well: not mapped here
             raise ValueError(f"{path}: table {table} is grid_shard; resharding supports the other sharding types")
+    refuse_adam_across_data_parallel(path, saved_metadata, saved_layouts, current_layouts)
     model_state = module.state_dict()
     direct: dict[str, Any] = {f"state_dict.{key}": value for key, value in model_state.items()}
-    rowwise: list[tuple[str, _RowwiseTarget, TensorStorageMetadata]] = []
+    rowwise: list[tuple[str, RowwiseTarget, TensorStorageMetadata]] = []
     optimizer_states = []
     for index, optimizer in enumerate(optimizers):
         optimizer.init_state()  # fused optimizer state is lazy: give DCP tensors to load into
@@ -191,13 +192,39 @@ def load_resharded(
                 if not _rowwise_alike(tensor.size(), saved_md.size, dim, table, path):
                     direct[saved_key] = tensor  # the same global (rows, D) under every plan: DCP reshards it
                     continue
-                for target in _rowwise_targets(tensor, rows, current_layouts[table].column_ranges(dim)):
+                for target in rowwise_targets(tensor, rows, current_layouts[table].column_ranges(dim)):
                     rowwise.append((saved_key, target, saved_md))
     dcp.load(direct, storage_reader=reader())
-    _load_rowwise(path, reader, rowwise, saved_layouts, model_state)
+    load_rowwise(path, reader, rowwise, saved_layouts, model_state)
     module.load_state_dict(model_state)
     for optimizer, state in zip(optimizers, optimizer_states):
         optimizer.load_state_dict(state)
+
+
+def refuse_adam_across_data_parallel(
+    path: Path, saved_metadata: Mapping[str, Any], saved: Mapping[str, TableLayout], current: Mapping[str, TableLayout]
+) -> None:
+    """Raises a ValueError naming the table when Adam state would move between data_parallel and a fused sharding.
+
+    A data-parallel table is updated by torch's Adam (state ``exp_avg``, ``exp_avg_sq``, ``step`` per
+    parameter), every other sharding type by FBGEMM's fused Adam (``<table>.momentum1``,
+    ``<table>.exp_avg_sq``, and a step count inside the kernel). Mapping one onto the other is not
+    done here: fused Adam runs on GPUs only, so such a mapping could not be tested on this project's
+    CPUs. Refused before anything is read, instead of failing on a missing key (or, the other way
+    round, silently starting the moments from zero).
+    """
+    for table, layout in current.items():
+        was = saved.get(table)
+        if was is None or (was.sharding_type == "data_parallel") == (layout.sharding_type == "data_parallel"):
+            continue
+        if any(f"embedding_bags.{table}.weight." in key and key.endswith(".exp_avg_sq") for key in saved_metadata):
+            raise ValueError(
+                f"{path}: table {table} was trained with model.sparse_optimizer adam under {was.sharding_type} and this "
+                f"run shards it {layout.sharding_type}: torch's Adam (data_parallel) and FBGEMM's fused Adam (the other "
+                "sharding types) keep different state, which is not carried from one to the other; keep the table "
+                f"{'in' if was.sharding_type == 'data_parallel' else 'out of'} data_parallel with "
+                "trainer.strategy.sharding_types or trainer.strategy.table_constraints"
+            )
 
 
 def _flat_state(optimizer_state: Mapping[str, Any], prefix: str) -> list[tuple[str, torch.Tensor]]:
@@ -245,33 +272,33 @@ def _saved_accumulator_key(saved_metadata: Mapping[str, Any], index: int, table:
     )
 
 
-def _rowwise_targets(tensor: torch.Tensor, rows: int, column_ranges: list[tuple[int, int]]) -> list[_RowwiseTarget]:
+def rowwise_targets(tensor: torch.Tensor, rows: int, column_ranges: list[tuple[int, int]]) -> list[RowwiseTarget]:
     """The pieces of the current row-wise accumulator this rank holds, with the rows and columns they serve."""
     if not isinstance(tensor, ShardedTensor):  # a replicated table: (rows, 1), all columns
-        return [_RowwiseTarget(tensor.view(-1), 0, column_ranges[0][0], column_ranges[-1][1])]
+        return [RowwiseTarget(tensor.view(-1), 0, column_ranges[0][0], column_ranges[-1][1])]
     stacked = tensor.size(0) // rows > 1  # column shards' vectors stacked, left to right
     targets = []
     for shard in tensor.local_shards():
         offset = shard.metadata.shard_offsets[0]
         if stacked:
             col_start, col_stop = column_ranges[offset // rows]
-            targets.append(_RowwiseTarget(shard.tensor, offset % rows, col_start, col_stop))
+            targets.append(RowwiseTarget(shard.tensor, offset % rows, col_start, col_stop))
         else:
-            targets.append(_RowwiseTarget(shard.tensor, offset, column_ranges[0][0], column_ranges[-1][1]))
+            targets.append(RowwiseTarget(shard.tensor, offset, column_ranges[0][0], column_ranges[-1][1]))
     return targets
 
 
-def _load_rowwise(
+def load_rowwise(
     path: Path,
     reader: Callable[[], StorageReader],
-    rowwise: list[tuple[str, _RowwiseTarget, TensorStorageMetadata]],
+    rowwise: list[tuple[str, RowwiseTarget, TensorStorageMetadata]],
     saved_layouts: Mapping[str, TableLayout],
     model_state: Mapping[str, Any],
 ) -> None:
     """Fills each row-wise target with the column-weighted mean of the saved shards' accumulators."""
     slices: dict[str, tuple[str, list[int]]] = {}
     buffers: dict[str, torch.Tensor] = {}
-    plans: list[tuple[_RowwiseTarget, list[tuple[str, int]]]] = []
+    plans: list[tuple[RowwiseTarget, list[tuple[str, int]]]] = []
     for position, (saved_key, target, saved_md) in enumerate(rowwise):
         table = _TABLE_IN_KEY.search(saved_key).group(1)  # type: ignore[union-attr]
         rows, dim = model_state_shape(model_state, table)
