@@ -10,7 +10,7 @@ import torch
 
 from app.data.batches import make_batch
 from app.data.source import RowBlock
-from app.model.dlrm import INTERACTIONS, build_dlrm
+from app.model.dlrm import INTERACTIONS, Float32Linear, build_dlrm
 from app.model.tables import expand_table_sizes
 from app.train.metrics import LogLoss, NormalizedEntropy
 
@@ -138,3 +138,40 @@ def test_multi_hot_rows_become_pooled_bags():
     assert features["cat_1"].values().tolist() == [7, 8, 9, 10]
     assert features["cat_2"].lengths().tolist() == [3, 3]
     assert features["cat_0"].values().tolist() == [0, 0]
+
+
+
+@pytest.mark.parametrize("interaction", INTERACTIONS)
+def test_the_click_logit_is_float32_under_bf16_autocast(interaction):
+    torch.manual_seed(0)
+    model = build_dlrm(
+        interaction=interaction, embedding_dim=8, num_embeddings_per_feature=[10] * 26,
+        dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 16, 1], dcn_num_layers=1, dcn_low_rank_dim=4,
+        interaction_branch1_layer_sizes=[16, 16], interaction_branch2_layer_sizes=[16, 8], embedding_device="cpu",
+    )  # fmt: skip
+    last = model.over_arch.model[-1]
+    assert type(last) is Float32Linear and "over_arch.model.1.weight" in model.state_dict()  # checkpoints unchanged
+    inputs: list[torch.Tensor] = []
+    last.register_forward_hook(lambda module, args, output: inputs.append(args[0]))
+    batch = _batch()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(batch.dense_features, batch.sparse_features)
+    hidden = inputs[0]
+    assert hidden.dtype == torch.bfloat16  # the layers before it do run in bf16
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits, torch.nn.functional.linear(hidden.float(), last.weight, last.bias))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # what the plain Linear computed: a bf16 logit
+        bf16_logits = torch.nn.functional.linear(hidden, last.weight, last.bias)
+    assert bf16_logits.dtype == torch.bfloat16 and not torch.equal(logits, bf16_logits.float())
+
+
+def test_the_float32_logit_layer_keeps_the_parameters_and_the_random_stream():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4, 1)
+    state = torch.random.get_rng_state()
+    layer = Float32Linear.from_linear(linear)
+    assert torch.equal(torch.random.get_rng_state(), state)  # draws nothing: later weights stay the seed's
+    assert layer.weight is linear.weight and layer.bias is linear.bias
+    features = torch.randn(3, 4)
+    assert torch.equal(layer(features), linear(features))  # float32 without autocast: the same layer

@@ -8,6 +8,10 @@ TorchRec's ``DLRM`` (dot), ``DLRM_DCN`` (DCNv2) and ``DLRM_Projection`` are used
 has no concatenation interaction, the original paper's alternative to the dot product (and the one
 Intel Gaudi's reference configuration trains), so ``DLRMConcat`` adds it on top of ``DLRM``.
 
+The click logit (the top MLP's last Linear) is computed in float32 even under autocast
+(``trainer.precision: bf16-mixed``): a bf16 logit has 8 significant bits, ~256 values per octave,
+which ties predictions in the exact AUC and quantises the log loss (``Float32Linear``).
+
 Example::
 
     model = build_dlrm(interaction="dot", embedding_dim=16, num_embeddings_per_feature=[1000] * 26,
@@ -83,6 +87,37 @@ class DLRMConcat(DLRM):
         )
 
 
+class Float32Linear(nn.Linear):
+    """``nn.Linear`` computed in float32 (or wider parameters' dtype) with autocast off: for the click logit.
+
+    Its parameters and state-dict keys are those of the ``nn.Linear`` it replaces (``from_linear``).
+    """
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Float32Linear":
+        """The same layer (its very parameters, not copies), computed in float32."""
+        # skip_init: no initialisation draws from the random generator, so the weights built after
+        # this one (and the data order) stay those of the same seed without the swap.
+        layer = torch.nn.utils.skip_init(
+            cls, linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta"
+        )
+        layer.weight, layer.bias = linear.weight, linear.bias
+        return layer
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(self.weight.dtype, torch.float32)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        with torch.autocast(device_type=features.device.type, enabled=False):
+            return nn.functional.linear(features.to(dtype), self.weight.to(dtype), bias)
+
+
+def compute_logit_in_float32(model: DLRM) -> DLRM:
+    """Makes the top MLP's last layer (TorchRec's ``OverArch``: an MLP, then one Linear) a ``Float32Linear``."""
+    layers = model.over_arch.model
+    layers[-1] = Float32Linear.from_linear(layers[-1])
+    return model
+
+
 def build_embedding_bag_collection(
     embedding_dim: int,
     num_embeddings_per_feature: Sequence[int],
@@ -144,21 +179,25 @@ def build_dlrm(
         over_arch_layer_sizes=list(over_arch_layer_sizes),
     )
     if interaction == "dot":
-        return DLRM(**common)
+        return compute_logit_in_float32(DLRM(**common))
     if interaction == "cat":
-        return DLRMConcat(**common)
+        return compute_logit_in_float32(DLRMConcat(**common))
     if interaction == "dcn":
-        return DLRM_DCN(**common, dcn_num_layers=dcn_num_layers, dcn_low_rank_dim=dcn_low_rank_dim)
+        return compute_logit_in_float32(
+            DLRM_DCN(**common, dcn_num_layers=dcn_num_layers, dcn_low_rank_dim=dcn_low_rank_dim)
+        )
     for name, sizes in (
         ("interaction_branch1_layer_sizes", interaction_branch1_layer_sizes),
         ("interaction_branch2_layer_sizes", interaction_branch2_layer_sizes),
     ):
         if sizes[-1] % embedding_dim:
             raise ValueError(f"model.{name}[-1] = {sizes[-1]} must be a multiple of embedding_dim = {embedding_dim}")
-    return DLRM_Projection(
-        **common,
-        interaction_branch1_layer_sizes=list(interaction_branch1_layer_sizes),
-        interaction_branch2_layer_sizes=list(interaction_branch2_layer_sizes),
+    return compute_logit_in_float32(
+        DLRM_Projection(
+            **common,
+            interaction_branch1_layer_sizes=list(interaction_branch1_layer_sizes),
+            interaction_branch2_layer_sizes=list(interaction_branch2_layer_sizes),
+        )
     )
 
 
