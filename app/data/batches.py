@@ -4,7 +4,9 @@ A batch holds B rows: ``dense_features`` (B, 13) float32, ``sparse_features`` a 
 with the 26 categorical features (one id per row and feature for raw Criteo, a bag of ids per row
 and feature for multi-hot data), ``labels`` (B,)
 float32, and ``row_ids`` (B,) int64: each row's index in its split, or -1 for a padding row that
-only keeps the ranks' batch counts equal and must be ignored by metrics and predictions.
+only keeps the ranks' batch counts equal and must be ignored by metrics and predictions. Padding
+rows come last, and their number is known on the host when the batch is built: leaving them out is
+a slice, which on a GPU needs no copy of a mask back to the host (a boolean mask index does).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class CriteoBatch(Batch):
     """TorchRec's ``Batch`` plus the row ids that let evaluation skip padding and predictions be joined."""
 
     row_ids: torch.Tensor
+    # Rows [0, num_real_rows) are data, the rest padding; None: not known, found from row_ids.
+    num_real_rows: int | None = None
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "CriteoBatch":
         return CriteoBatch(
@@ -34,6 +38,7 @@ class CriteoBatch(Batch):
             sparse_features=self.sparse_features.to(device=device, non_blocking=non_blocking),
             labels=self.labels.to(device=device, non_blocking=non_blocking),
             row_ids=self.row_ids.to(device=device, non_blocking=non_blocking),
+            num_real_rows=self.num_real_rows,
         )
 
     def record_stream(self, stream: torch.Stream) -> None:
@@ -46,16 +51,26 @@ class CriteoBatch(Batch):
             sparse_features=self.sparse_features.pin_memory(),
             labels=self.labels.pin_memory(),
             row_ids=self.row_ids.pin_memory(),
+            num_real_rows=self.num_real_rows,
         )
 
     @property
-    def valid_rows(self) -> torch.Tensor:
-        """Boolean mask (B,) of the rows that are real data, not padding."""
-        return self.row_ids != PADDING_ROW_ID
+    def valid_rows(self) -> slice | torch.Tensor:
+        """Index of the rows that are real data, not padding: ``tensor[batch.valid_rows]``.
+
+        A slice when the batch knows its padding (built by ``make_batch``), else a boolean mask (B,).
+        """
+        if self.num_real_rows is None:
+            return self.row_ids != PADDING_ROW_ID
+        return slice(0, self.num_real_rows)
 
 
 def make_batch(block: RowBlock, row_ids: np.ndarray) -> CriteoBatch:
-    """Builds one batch from a block of rows; ``row_ids`` (B,) are their ids in the split (-1 for padding)."""
+    """Builds one batch from a block of rows; ``row_ids`` (B,) are their ids in the split (-1 for
+    padding, after every real row)."""
+    num_real_rows = int(np.count_nonzero(row_ids != PADDING_ROW_ID))
+    if (row_ids[num_real_rows:] != PADDING_ROW_ID).any():
+        raise ValueError("padding rows (row id -1) must come after every real row of a batch")
     values, lengths = _jagged_ids(block.sparse, len(block))
     sparse_features = KeyedJaggedTensor.from_lengths_sync(keys=DEFAULT_CAT_NAMES, values=values, lengths=lengths)
     return CriteoBatch(
@@ -63,6 +78,7 @@ def make_batch(block: RowBlock, row_ids: np.ndarray) -> CriteoBatch:
         sparse_features=sparse_features,
         labels=torch.from_numpy(np.ascontiguousarray(block.labels, dtype=np.float32)),
         row_ids=torch.from_numpy(np.ascontiguousarray(row_ids, dtype=np.int64)),
+        num_real_rows=num_real_rows,
     )
 
 
