@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torchmetrics.classification import BinaryAUROC
 
 from app.data.synthetic import rank_auc, write_synthetic_criteo
-from app.train.metrics import BinnedAUROC, Calibration, build_eval_metrics
+from app.train.metrics import BinnedAUROC, Calibration, build_eval_metrics, check_exact_auc_memory, sync_exact_auc_through
 from multiprocess import run_on_ranks
 
 
@@ -131,3 +131,31 @@ def test_the_mode_is_a_yaml_setting(capsys):
         assert exit_info.code in (0, None)
     printed = capsys.readouterr().out
     assert "eval_metrics: binned" in printed and "auc_num_thresholds: 1000" in printed
+
+
+def test_exact_auc_is_refused_before_training_when_the_host_cannot_hold_it():
+    # 89M rows (Criteo Terabyte's day 23 half) on a host of 8 ranks.
+    with pytest.raises(ValueError) as refused:
+        check_exact_auc_memory(89_000_000, "val", 8, available_host_bytes=32 * 2**30)
+    assert str(refused.value) == (
+        "model.eval_metrics = exact: every rank gathers and sorts the 89,000,000 rows of data.val in host memory "
+        "at each evaluation, about 6.6 GiB per rank, 53.0 GiB for the 8 ranks of this machine, more than the "
+        "32.0 GiB available; model.eval_metrics: binned takes constant memory and logs its error bound (auc_max_error)"
+    )
+    warning = check_exact_auc_memory(89_000_000, "val", 8, available_host_bytes=512 * 2**30)
+    assert warning.startswith("model.eval_metrics = exact: every rank gathers") and "binned" in warning
+    assert check_exact_auc_memory(89_000_000, "val", 8, available_host_bytes=None) == warning  # not known: no refusal
+    assert check_exact_auc_memory(1_000_000, "test", 2, available_host_bytes=2**30) is None  # 76 MiB per rank: quiet
+
+
+def test_only_the_exact_auc_keeps_its_states_in_host_memory():
+    metrics = build_eval_metrics("val/", "exact")
+    probabilities, labels = _predictions(1_000)
+    metrics.update(probabilities, labels)
+    # On a GPU torchmetrics moves list states to the host after every update (compute_on_cpu).
+    assert metrics["auc"].compute_on_cpu and {t.device.type for t in metrics["auc"].preds} == {"cpu"}
+    assert not any(m.compute_on_cpu for name, m in metrics.items(keep_base=True) if name != "auc")
+    # A sync_exact_auc_through group goes to the exact AUC only: the running sums sync as before.
+    marker = object()
+    sync_exact_auc_through(metrics, marker)
+    assert [name for name, m in metrics.items(keep_base=True) if m.process_group is marker] == ["auc"]

@@ -4,15 +4,28 @@ Log loss, normalized entropy and calibration are not in torchmetrics: they keep 
 (constant memory, summed across ranks at compute time), so they are exact on any eval set size. AUC
 and accuracy come from torchmetrics: AUC exactly (every prediction kept and gathered) or, for eval
 sets too large for that, from a fixed table of thresholds (``binned``).
+
+The exact AUC keeps its predictions in host memory, never on the GPU (where the tables fill the
+memory): torchmetrics' ``compute_on_cpu`` moves them there after every update, and they are gathered
+through a group that carries CPU tensors (``sync_exact_auc_through``; NCCL carries none). Every
+rank then holds and sorts the whole eval set, so ``check_exact_auc_memory`` decides before training
+whether the host has the memory for it.
+
+No update makes the host wait for the device (evaluation runs without a host sync per batch on
+GPUs): the binned AUC counts with a fixed-size ``index_add_`` (``torch.bincount`` reads the largest
+value back to size its output), and torchmetrics' argument checks (``torch.unique`` read back) are
+off: the inputs are sigmoid outputs and 0/1 labels by construction.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 EvalMetrics = Literal["exact", "binned"]
 
@@ -89,7 +102,10 @@ class BinnedAUROC(BinaryAUROC):
         num_thresholds = self.thresholds.numel()
         # Number of thresholds <= p: a prediction counts as positive at thresholds[i] iff it is >= i + 1.
         above = torch.bucketize(preds.detach().float().contiguous(), self.thresholds, right=True)
-        counts = torch.bincount(above + (num_thresholds + 1) * target.long(), minlength=2 * (num_thresholds + 1))
+        bins = above + (num_thresholds + 1) * target.long()
+        # What torch.bincount(bins, minlength=...) counts, into a table of fixed size: no host sync.
+        counts = torch.zeros(2 * (num_thresholds + 1), dtype=torch.long, device=bins.device)
+        counts.index_add_(0, bins, torch.ones_like(bins))
         counts = counts.reshape(2, num_thresholds + 1)  # rows: negatives, positives
         at_or_above = counts.flip(1).cumsum(1).flip(1)[:, 1:]
         below = counts.sum(1, keepdim=True) - at_or_above
@@ -114,11 +130,18 @@ class BinnedAUCMaxError(BinnedAUROC):
         return (0.5 * (in_bin[0] * in_bin[1]).sum() / (positives * negatives)).float()
 
 
+def _gather_on_host(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """torchmetrics' gather of one state, from host memory (its empty state of a rank that saw no
+    rows is made on the metric's device, the GPU: it too travels through the host group)."""
+    return gather_all_tensors(tensor.cpu(), group)
+
+
 def build_eval_metrics(prefix: str, mode: EvalMetrics = "exact", auc_num_thresholds: int = 10_000) -> MetricCollection:
     """The metrics logged for one split: auc, logloss, ne, calibration, accuracy (+ auc_max_error when binned)."""
     if mode == "exact":
-        # Keeps every prediction and gathers them across ranks: for eval sets that fit in memory.
-        auc: dict[str, Metric] = {"auc": BinaryAUROC()}
+        # Keeps every prediction in host memory and gathers them across ranks: for eval sets that fit there.
+        exact = BinaryAUROC(compute_on_cpu=True, dist_sync_fn=_gather_on_host, validate_args=False)
+        auc: dict[str, Metric] = {"auc": exact}
     elif mode == "binned":
         if auc_num_thresholds < 2:
             raise ValueError(f"model.auc_num_thresholds = {auc_num_thresholds}: needs at least 2 thresholds")
@@ -129,5 +152,68 @@ def build_eval_metrics(prefix: str, mode: EvalMetrics = "exact", auc_num_thresho
         }
     else:
         raise ValueError(f"model.eval_metrics = {mode!r}: use exact or binned")
-    sums = {"logloss": LogLoss(), "ne": NormalizedEntropy(), "calibration": Calibration(), "accuracy": BinaryAccuracy()}
+    sums = {
+        "logloss": LogLoss(),
+        "ne": NormalizedEntropy(),
+        "calibration": Calibration(),
+        "accuracy": BinaryAccuracy(validate_args=False),
+    }
     return MetricCollection({**auc, **sums}, prefix=prefix)
+
+
+def sync_exact_auc_through(metrics: MetricCollection, group: dist.ProcessGroup | None) -> None:
+    """Gathers the metrics that keep their states in host memory through ``group`` (None: the
+    default group), which must carry CPU tensors (``app.train.host_group.host_process_group``)."""
+    for metric in metrics.values():
+        if metric.compute_on_cpu:
+            metric.process_group = group
+
+
+# Host memory the exact AUC takes per eval row on every rank, at its peak: measured with
+# ru_maxrss around torchmetrics' compute of 5M rows on CPU (torch 2.13, torchmetrics 1.9): 12 B of
+# state (float32 prediction, int64 label), 65 B more while it sorts; rounded up for the gathered copy.
+EXACT_AUC_HOST_BYTES_PER_ROW = 80
+# Above this per rank, a warning says what exact AUC costs and that binned does not.
+EXACT_AUC_WARN_BYTES = 1 << 30
+
+
+def check_exact_auc_memory(
+    num_rows: int, split: str, ranks_on_host: int, available_host_bytes: int | None
+) -> str | None:
+    """Whether the host can hold the exact AUC of ``num_rows`` eval rows (of ``data.<split>``).
+
+    Every rank gathers and sorts all rows, so the host needs ``ranks_on_host`` times one rank's share.
+
+    Returns:
+        A warning to print when one rank needs more than ``EXACT_AUC_WARN_BYTES``, else None.
+
+    Raises:
+        ValueError: naming ``model.eval_metrics`` when the host's ranks need more than
+            ``available_host_bytes`` (None: not known, no refusal).
+    """
+    per_rank_bytes = num_rows * EXACT_AUC_HOST_BYTES_PER_ROW
+    host_bytes = per_rank_bytes * ranks_on_host
+    cost = (
+        f"model.eval_metrics = exact: every rank gathers and sorts the {num_rows:,} rows of data.{split} in host "
+        f"memory at each evaluation, about {per_rank_bytes / 2**30:.1f} GiB per rank, "
+        f"{host_bytes / 2**30:.1f} GiB for the {ranks_on_host} ranks of this machine"
+    )
+    advice = "model.eval_metrics: binned takes constant memory and logs its error bound (auc_max_error)"
+    if available_host_bytes is not None and host_bytes > available_host_bytes:
+        raise ValueError(f"{cost}, more than the {available_host_bytes / 2**30:.1f} GiB available; {advice}")
+    if per_rank_bytes > EXACT_AUC_WARN_BYTES:
+        return f"{cost}; {advice}"
+    return None
+
+
+def available_host_bytes() -> int | None:
+    """Host memory the kernel can still hand out (MemAvailable: free plus reclaimable page cache,
+    which the memory-mapped data fills); None where /proc/meminfo does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    return None

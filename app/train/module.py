@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics import MetricCollection
 
 from app.data.batches import CriteoBatch
@@ -13,7 +14,14 @@ from app.model.dlrm import Interaction, build_dlrm
 from app.model.tables import expand_table_sizes
 from app.train.log_steps import RunningMean, metrics_written_after_this_batch
 from app.train.lr_schedule import LRSchedule, lr_scheduler_config, step_lr_schedulers
-from app.train.metrics import EvalMetrics, build_eval_metrics
+from app.train.host_group import host_process_group
+from app.train.metrics import (
+    EvalMetrics,
+    available_host_bytes,
+    build_eval_metrics,
+    check_exact_auc_memory,
+    sync_exact_auc_through,
+)
 from app.train.optimizers import DenseOptimizer, SparseOptimizer, build_optimizer, check_optimizer_names, fuse_sparse_optimizer
 from app.train.pipeline import (
     Pipeline,
@@ -48,11 +56,12 @@ class DLRMModule(LightningModule):
         sparse_learning_rate: learning rate of the embedding tables.
         dense_optimizer: optimizer of the MLPs and interaction layers: adagrad, adam or sgd.
         dense_learning_rate: learning rate of the dense parameters.
-        eval_metrics: ``exact`` AUC keeps every validation/test prediction and gathers them on every
-            rank (eval sets that fit in memory); ``binned`` counts predictions against
-            ``auc_num_thresholds`` evenly spaced thresholds in constant memory (eval sets of billions)
-            and also logs ``auc_max_error``, the most it can differ from the exact AUC. Log loss,
-            NE, calibration and accuracy are exact running sums in both.
+        eval_metrics: ``exact`` AUC keeps every validation/test prediction in host memory and
+            gathers them on every rank (eval sets that fit there: refused before training when the
+            host's ranks would need more than it has, app/train/metrics.py); ``binned`` counts
+            predictions against ``auc_num_thresholds`` evenly spaced thresholds in constant memory
+            (eval sets of billions) and also logs ``auc_max_error``, the most it can differ from the
+            exact AUC. Log loss, NE, calibration and accuracy are exact running sums in both.
         auc_num_thresholds: thresholds of the ``binned`` AUC; its error is at most about 0.5 /
             auc_num_thresholds for predictions spread over [0, 1], more when they crowd into few bins.
         pipeline: how a training step runs. ``none``: Lightning's plain loop, one batch after the
@@ -138,6 +147,28 @@ class DLRMModule(LightningModule):
             self.automatic_optimization = False
             self.training_step = self.pipelined_training_step  # type: ignore[method-assign]
             self.training_step_calls_model = True  # read by the strategy: no DMP forward around the step
+        if self.hparams.eval_metrics == "exact" and stage in ("fit", "validate", "test"):
+            self._set_up_exact_auc("test" if stage == "test" else "val")
+
+    def _set_up_exact_auc(self, split: str) -> None:
+        """Refuses (or warns about) an eval set too large for exact AUC in host memory, then gives
+        the exact AUC a group that gathers host memory (called on every rank: a collective)."""
+        num_rows = _eval_rows(self.trainer.datamodule, split)
+        if num_rows is not None:
+            warning = check_exact_auc_memory(num_rows, split, self.trainer.num_devices, available_host_bytes())
+            if warning:
+                rank_zero_warn(warning)
+        group = host_process_group()
+        sync_exact_auc_through(self.val_metrics, group)
+        sync_exact_auc_through(self.test_metrics, group)
+
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        # Lightning's default copies only plain tensors non_blocking (fabric's move_data_to_device);
+        # a CriteoBatch is copied by its own .to: asked the same way here. From the loader's pinned
+        # memory the copy then overlaps the host's work instead of stalling it.
+        if isinstance(batch, CriteoBatch):
+            return batch.to(device, non_blocking=device.type not in ("cpu", "mps"))
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def _resolved_pipeline(self) -> str:
         return resolve_pipeline(self.hparams.pipeline, self.trainer.strategy.root_device, self.trainer.world_size)
@@ -203,7 +234,7 @@ class DLRMModule(LightningModule):
         self._evaluate(batch, self.test_metrics)
 
     def _evaluate(self, batch: CriteoBatch, metrics: MetricCollection) -> None:
-        valid = batch.valid_rows
+        valid = batch.valid_rows  # a slice: no host sync
         probabilities = torch.sigmoid(self(batch).float())[valid]
         metrics.update(probabilities, batch.labels[valid].long())
         # Logged as metric objects: Lightning computes them once per epoch, synced across ranks.
@@ -227,3 +258,10 @@ class DLRMModule(LightningModule):
         if self.lr_schedule.is_constant:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": lr_scheduler_config(optimizer, self.lr_schedule)}
+
+
+def _eval_rows(datamodule: Any, split: str) -> int | None:
+    """Rows of the split evaluated, where the data module says (CriteoDataModule after its setup)."""
+    dataset = getattr(datamodule, "datasets", {}).get(split)
+    source = getattr(dataset, "source", None)
+    return None if source is None else len(source)

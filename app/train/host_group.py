@@ -1,0 +1,30 @@
+"""A process group that carries tensors in host memory, whatever backend the run's default group has.
+
+Exact AUC and the predictions file gather what every rank saw; held on the GPU that would take GBs
+of the memory the tables fill. Gathered on the host instead, they need a group that carries CPU
+tensors: NCCL (RCCL on ROCm) carries only GPU tensors (torch's ``Backend.backend_capability``), so
+under it this builds a gloo group over the same ranks, from the default group's store.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+def host_process_group() -> dist.ProcessGroup | None:
+    """The group to gather CPU tensors through: None (the default group) where the default group
+    carries them or there is a single process, else a new gloo group over all ranks.
+
+    Collective: every rank must call it at the same point (e.g. in a ``setup`` hook).
+    """
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if carries_host_tensors():
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def carries_host_tensors(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``group`` (default: the default group) has a backend for CPU tensors."""
+    # "cpu:gloo,cuda:gloo" under gloo, "cuda:nccl" under nccl, "cpu:gloo,cuda:nccl" when both were asked for.
+    return any(pair.split(":")[0] == "cpu" for pair in dist.get_backend_config(group).split(","))
