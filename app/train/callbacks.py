@@ -11,6 +11,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 
+from app.train.host_group import host_process_group
 from app.train.log_steps import metrics_written_after_this_batch
 
 
@@ -60,6 +61,9 @@ class SamplesPerSecond(Callback):
 class PredictionWriter(BasePredictionWriter):
     """Writes ``predictions.tsv`` (row id, click probability), rows in input order, from all ranks.
 
+    Rank 0 writes: the other ranks send it their rows through host memory (a gloo group beside
+    NCCL, app/train/host_group.py) and keep nothing of the others'.
+
     Args:
         output_dir: folder of the predictions file (default: ``trainer.default_root_dir``).
     """
@@ -67,22 +71,45 @@ class PredictionWriter(BasePredictionWriter):
     def __init__(self, output_dir: str | None = None) -> None:
         super().__init__(write_interval="epoch")
         self.output_dir = output_dir
+        self._group: dist.ProcessGroup | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage == "predict":  # every rank, before the loop: where a collective may start
+            self._group = host_process_group()
 
     def write_on_epoch_end(
         self, trainer: Trainer, pl_module: LightningModule, predictions: Any, batch_indices: Any
     ) -> None:
-        row_ids = torch.cat([p["row_ids"] for p in predictions]).cpu()
-        probabilities = torch.cat([p["probabilities"] for p in predictions]).cpu()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            gathered: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (row_ids, probabilities))
-            row_ids = torch.cat([g[0] for g in gathered])
-            probabilities = torch.cat([g[1] for g in gathered])
-        if trainer.is_global_zero:
-            order = torch.argsort(row_ids)
-            path = Path(self.output_dir or trainer.default_root_dir) / "predictions.tsv"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("w") as out:
-                out.write("row_id\tprobability\n")
-                out.writelines(f"{r}\t{p:.6f}\n" for r, p in zip(row_ids[order].tolist(), probabilities[order].tolist()))
-            print(f"wrote {len(order)} predictions to {path}")
+        gathered = gather_predictions_to_rank_zero(predictions, self._group)
+        if gathered is None:
+            return
+        row_ids, probabilities = gathered
+        path = Path(self.output_dir or trainer.default_root_dir) / "predictions.tsv"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as out:
+            out.write("row_id\tprobability\n")
+            out.writelines(f"{r}\t{p:.6f}\n" for r, p in zip(row_ids.tolist(), probabilities.tolist()))
+        print(f"wrote {len(row_ids)} predictions to {path}")
+
+
+def gather_predictions_to_rank_zero(
+    predictions: list[dict[str, torch.Tensor]], group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every rank's ``predict_step`` outputs (row ids and probabilities, padding already left out),
+    on rank 0 in row-id order; None on the other ranks.
+
+    ``group`` must carry CPU tensors (None: the default group); collective over all ranks.
+    """
+    row_ids = torch.cat([p["row_ids"] for p in predictions]).cpu()
+    probabilities = torch.cat([p["probabilities"] for p in predictions]).cpu()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        rank_zero = dist.get_rank() == 0
+        gathered: list[Any] | None = [None] * dist.get_world_size() if rank_zero else None
+        dist.gather_object((row_ids, probabilities), gathered, dst=0, group=group)
+        if gathered is None:
+            return None
+        row_ids = torch.cat([g[0] for g in gathered])
+        probabilities = torch.cat([g[1] for g in gathered])
+    order = torch.argsort(row_ids)
+    return row_ids[order], probabilities[order]
