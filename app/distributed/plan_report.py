@@ -4,7 +4,10 @@ Written at start-up into the run folder as ``sharding_plan.json`` (machine-reada
 entry turns back into the exact ShardingPlan with :func:`read_plan`) and ``sharding_plan.txt``
 (the same for people). Estimates are TorchRec's planner's own: bytes of HBM and host memory per
 shard and milliseconds per step (forward and backward compute and communication), summed per rank
-the way its performance model rates a plan (the slowest rank sets the step time).
+the way its performance model rates a plan (the slowest rank sets the step time). Also: the memory
+the planner left to the tables per device and what it kept back for the rest (``memory_budget``),
+the HBM figure it planned for and where it came from (with topology ``auto``: the least free on any
+rank), and the tables a UVM kernel keeps in host memory (``host_memory_tables``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 from torchrec.distributed.types import ShardingPlan
 
 from app.checkpoint.plan_json import plan_from_json, plan_to_json
-from app.distributed.sharding import PlannedSharding, format_plan
+from app.distributed.sharding import PlannedSharding, format_plan, host_memory_tables, host_memory_warning
 from app.distributed.topology import DeviceTopology
 
 REPORT_JSON = "sharding_plan.json"
@@ -33,7 +36,9 @@ def plan_report(
     objective: str,
     source: str,
 ) -> dict[str, Any]:
-    """The report as JSON-ready data. ``source`` says where the plan came from (the planner or a checkpoint)."""
+    """The report as JSON-ready data. ``source`` says where the plan came from (the planner or a checkpoint);
+    ``device`` is what the run resolved, replaced by the figures the planner used where it made the plan."""
+    device = planned.topology or device
     ranks = []
     for rank in range(world_size):
         shards = [e for e in planned.estimates if e.rank == rank]
@@ -54,6 +59,9 @@ def plan_report(
         "topology": dataclasses.asdict(device),
         "has_estimates": bool(planned.estimates),
         "estimated_ms_per_step": max((r["estimated_ms_per_step"] for r in ranks), default=0.0),
+        "memory_budget": dataclasses.asdict(planned.memory_budget) if planned.memory_budget else None,
+        "host_memory_tables": host_memory_tables(planned.plan),
+        "host_memory_warning": host_memory_warning(planned),
         "ranks": ranks,
         "plan": plan_to_json(planned.plan),
     }
@@ -69,10 +77,14 @@ def format_report(report: dict[str, Any]) -> str:
         f"host {_gib(topology['ddr_cap_bytes'])} at {topology['ddr_bw_gb_per_s']:g} GB/s, "
         f"HBM<->host {topology['hbm_to_ddr_bw_gb_per_s']:g} GB/s, intra-node {topology['intra_node_bw_gb_per_s']:g} GB/s, "
         f"inter-node {topology['inter_node_bw_gb_per_s']:g} GB/s; objective {report['objective']}",
+        f"HBM figure: {topology.get('hbm_cap_source', 'preset')}",
+        *_budget_lines(report.get("memory_budget")),
         "",
         format_plan(read_plan(report)),
         "",
     ]
+    if report.get("host_memory_warning"):
+        lines += [f"WARNING: {report['host_memory_warning']}", ""]
     if not report["has_estimates"]:
         lines.append("No planner estimates: this plan was not made by the planner in this run.")
         return "\n".join(lines) + "\n"
@@ -91,6 +103,17 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{shard['total_ms']:.4f} ms"
             )
     return "\n".join(lines) + "\n"
+
+
+def _budget_lines(budget: dict[str, Any] | None) -> list[str]:
+    if not budget:
+        return []
+    memory = "HBM" if budget["memory"] == "hbm" else "host memory"
+    return [
+        f"{memory} per device: {_gib(budget['capacity_bytes'])}; for the tables {_gib(budget['tables_bytes'])}; kept back "
+        f"{_gib(budget['fraction_bytes'])} (hbm_reserved_fraction), {_gib(budget['dense_bytes'])} (dense part in "
+        f"training), {_gib(budget['inputs_bytes'])} (pipeline inputs), {_gib(budget['extra_bytes'])} (hbm_reserved_bytes)"
+    ]
 
 
 def write_plan_report(report: dict[str, Any], folder: Path) -> Path:

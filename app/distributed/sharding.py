@@ -8,12 +8,14 @@ starts, and renders the resulting plan as a table for the log.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner
@@ -21,7 +23,7 @@ from torchrec.distributed.planner.constants import BATCH_SIZE
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.perf_models import NoopPerfModel, NoopStorageModel
 from torchrec.distributed.planner.stats import EmbeddingStats
-from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
 from torchrec.distributed.planner.types import (
     ParameterConstraints,
     PlannerError,
@@ -30,15 +32,12 @@ from torchrec.distributed.planner.types import (
     Stats,
     Topology,
 )
-from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
+from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType, get_tensor_size_bytes
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from app.compat import create_topology
-from app.distributed.topology import DeviceTopology
-
-# Share of each device's memory the planner keeps free for the dense model, activations and buffers.
-STORAGE_RESERVED_FRACTION = 0.15
+from app.distributed.topology import HBM_FREE_AT_PLANNING, DeviceTopology
 
 SHARDING_TYPES: tuple[str, ...] = tuple(t.value for t in ShardingType)
 
@@ -177,12 +176,37 @@ class ShardEstimate:
     total_ms: float  # as TorchRec's performance model counts it (with prefetch and input distribution)
 
 
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Per device, in bytes: its capacity, what the planner left free for everything but the tables, and
+    what it let the tables fill. ``memory`` is ``hbm`` on GPUs, ``ddr`` (host memory) on CPU.
+
+    Each table shard's own estimate (``ShardEstimate.hbm_bytes``) already holds its weights, its fused
+    optimizer state and its lookup's inputs and outputs for one batch; the reservation is for the rest.
+    """
+
+    memory: str
+    capacity_bytes: int  # as planned for: with topology auto, the least free on any rank
+    fraction_bytes: int  # hbm_reserved_fraction of it: activations, NCCL and all-to-all buffers, fragmentation
+    dense_bytes: int  # the dense part in training: weights, gradients, optimizer state, DDP buckets
+    inputs_bytes: int  # sparse inputs (KJTs) of the pipeline's batches in flight, TorchRec's estimate
+    extra_bytes: int  # hbm_reserved_bytes
+    tables_bytes: int  # what the tables may fill
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.capacity_bytes - self.tables_bytes
+
+
 @dataclass
 class PlannedSharding:
-    """A sharding plan with what the planner estimated for each shard (empty for a plan it did not make)."""
+    """A sharding plan with what the planner estimated for each shard (empty for a plan it did not make),
+    the device figures it planned for and the memory it left to the tables (None for a plan it did not make)."""
 
     plan: ShardingPlan
     estimates: list[ShardEstimate]
+    topology: DeviceTopology | None = None
+    memory_budget: MemoryBudget | None = None
 
 
 class _BestPlanRecorder(Stats):
@@ -193,6 +217,88 @@ class _BestPlanRecorder(Stats):
 
     def log(self, *args: Any, best_plan: list[ShardingOption] | None = None, **kwargs: Any) -> None:
         self.best_plan = list(best_plan or [])
+
+
+# TorchRec's heuristic for the dense part in training (HeuristicalStorageReservation's default): its
+# parameters six times over, "parameter + optimizer (~2x parameter) + ddp (~3x parameter)": the weights,
+# their gradients, up to two optimizer moments (Adam; Adagrad keeps one) and DDP's gradient buckets.
+DENSE_PARAMETER_MULTIPLIER = 6.0
+
+
+def dense_training_bytes(module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> int:
+    """Bytes the part of ``module`` outside the shardable modules takes in training, by TorchRec's heuristic:
+    ``DENSE_PARAMETER_MULTIPLIER`` x its parameters, plus its buffers.
+
+    TorchRec computes the same inside its reservation (module less shardable modules) but warns on
+    every plan that its figure may be wrong when tensors are not materialised; computed here, the
+    figure goes to the plan report and the reservation logs it instead of warning.
+    """
+    shardable = tuple(sharder.module_type for sharder in sharders)
+    in_tables = {
+        id(tensor)
+        for sub in module.modules()
+        if isinstance(sub, shardable)
+        for tensor in [*sub.parameters(), *sub.buffers()]
+    }
+    parameters = sum(get_tensor_size_bytes(p) for p in module.parameters() if id(p) not in in_tables)
+    buffers = sum(get_tensor_size_bytes(b) for b in module.buffers() if id(b) not in in_tables)
+    return round(DENSE_PARAMETER_MULTIPLIER * parameters + buffers)
+
+
+def storage_reservation(
+    module: nn.Module,
+    sharders: list[ModuleSharder[nn.Module]],
+    *,
+    compute_device: str,
+    hbm_reserved_fraction: float,
+    hbm_reserved_bytes: int,
+) -> HeuristicalStorageReservation:
+    """TorchRec's reservation of what is not a table: ``hbm_reserved_fraction`` of each device's HBM,
+    the dense part (``dense_training_bytes``) plus ``hbm_reserved_bytes`` (GPUs only), and the sparse
+    inputs of the pipeline's batches in flight (TorchRec's estimate: 2 batches x 10 copies of the ids).
+
+    TorchRec's FixedPercentageStorageReservation (used before) reserves the fraction only; the dense
+    part then had to fit in the same 15 % as the activations and buffers, whatever its size.
+    """
+    extra_bytes = hbm_reserved_bytes if compute_device != "cpu" else 0
+    estimate = dense_training_bytes(module, sharders) + extra_bytes
+    with warnings.catch_warnings():
+        # Its constructor warns that its own dense estimate can be wrong for tables not materialised;
+        # the estimate is passed in (see dense_training_bytes).
+        warnings.simplefilter("ignore", FutureWarning)
+        return HeuristicalStorageReservation(
+            percentage=hbm_reserved_fraction,
+            parameter_multiplier=DENSE_PARAMETER_MULTIPLIER,
+            dense_tensor_estimate=estimate or None,  # 0 would make it compute (the same 0) and warn
+        )
+
+
+def memory_budget(
+    topology: Topology,
+    module: nn.Module,
+    sharders: list[ModuleSharder[nn.Module]],
+    constraints: dict[str, ParameterConstraints],
+    batch_size: int,
+    *,
+    hbm_reserved_fraction: float,
+    hbm_reserved_bytes: int,
+) -> MemoryBudget:
+    """What TorchRec's reservation (``storage_reservation``) leaves to the tables on each device, part by part."""
+    reservation = storage_reservation(
+        module, sharders, compute_device=topology.compute_device,
+        hbm_reserved_fraction=hbm_reserved_fraction, hbm_reserved_bytes=hbm_reserved_bytes,
+    )  # fmt: skip
+    reserved = reservation.reserve(topology, batch_size, module, sharders, constraints)
+    memory = "ddr" if topology.compute_device == "cpu" else "hbm"
+    capacity = getattr(topology.devices[0].storage, memory)
+    tables = getattr(reserved.devices[0].storage, memory)
+    fraction = capacity - int((1 - hbm_reserved_fraction) * capacity) if memory == "hbm" else 0
+    extra = hbm_reserved_bytes if memory == "hbm" else 0
+    dense = dense_training_bytes(module, sharders)
+    return MemoryBudget(
+        memory=memory, capacity_bytes=capacity, fraction_bytes=fraction, dense_bytes=dense,
+        inputs_bytes=capacity - tables - fraction - dense - extra, extra_bytes=extra, tables_bytes=tables,
+    )  # fmt: skip
 
 
 def build_topology(device: DeviceTopology, *, world_size: int, local_world_size: int) -> Topology:
@@ -208,41 +314,46 @@ def plan_on_this_process(
     constraints: dict[str, ParameterConstraints],
     batch_size_per_rank: int | None,
     objective: str = "performance",
+    hbm_reserved_fraction: float = DeviceTopology.hbm_reserved_fraction,
+    hbm_reserved_bytes: int = DeviceTopology.hbm_reserved_bytes,
 ) -> PlannedSharding:
     """Runs TorchRec's planner here; a model that cannot fit raises a ValueError naming the table and the shortfall.
 
     ``objective``: ``performance`` picks the plan with the lowest estimated step time (TorchRec's
     default ``NoopPerfModel``), ``memory`` the one with the lowest peak HBM per device (its
-    ``NoopStorageModel``).
+    ``NoopStorageModel``). The planner fills what ``storage_reservation`` leaves of each device.
     """
     if objective not in PLANNER_OBJECTIVES:
         raise ValueError(f"strategy.planner_objective = {objective!r}: choose one of {', '.join(PLANNER_OBJECTIVES)}")
+    reserve = dict(hbm_reserved_fraction=hbm_reserved_fraction, hbm_reserved_bytes=hbm_reserved_bytes)
     recorder = _BestPlanRecorder()
     performance_model = NoopStorageModel(topology) if objective == "memory" else NoopPerfModel(topology)
     planner = EmbeddingShardingPlanner(
         topology=topology,
         batch_size=batch_size_per_rank,
         constraints=constraints,
-        # TorchRec's default (heuristical) reservation estimates the dense part from tensors that are
-        # not materialised yet and warns about it; a fixed share of each device's memory does not.
-        storage_reservation=FixedPercentageStorageReservation(percentage=STORAGE_RESERVED_FRACTION),
+        storage_reservation=storage_reservation(module, sharders, compute_device=topology.compute_device, **reserve),
         performance_model=performance_model,
         stats=[EmbeddingStats(), recorder],
     )
+    batch_size = batch_size_per_rank or BATCH_SIZE
     try:
+        budget = memory_budget(topology, module, sharders, constraints, batch_size, **reserve)
         plan = planner.plan(module, sharders)
     except PlannerError as error:
         # A table too big for any one device is a "strict constraints" failure to TorchRec when the
-        # devices together could hold it, an "insufficient storage" one when they could not.
+        # devices together could hold it, an "insufficient storage" one when they could not (or when
+        # the reservation alone exceeds a device).
         explained = None
         if error.error_type in (PlannerErrorType.INSUFFICIENT_STORAGE, PlannerErrorType.STRICT_CONSTRAINTS):
             explained = explain_shortfall(
                 module, topology=topology, sharders=sharders, constraints=constraints,
                 batch_size_per_rank=batch_size_per_rank,
-                whole_model=error.error_type == PlannerErrorType.INSUFFICIENT_STORAGE,
+                whole_model=error.error_type == PlannerErrorType.INSUFFICIENT_STORAGE, **reserve,
             )  # fmt: skip
         raise ValueError(explained or f"TorchRec's planner found no plan: {error}") from error
-    return PlannedSharding(plan, [estimate for option in recorder.best_plan for estimate in _estimates(option)])
+    estimates = [estimate for option in recorder.best_plan for estimate in _estimates(option)]
+    return PlannedSharding(plan, estimates, memory_budget=budget)
 
 
 def _estimates(option: ShardingOption) -> list[ShardEstimate]:
@@ -277,17 +388,33 @@ def explain_shortfall(
     constraints: dict[str, ParameterConstraints],
     batch_size_per_rank: int | None,
     whole_model: bool = True,
+    hbm_reserved_fraction: float = DeviceTopology.hbm_reserved_fraction,
+    hbm_reserved_bytes: int = DeviceTopology.hbm_reserved_bytes,
 ) -> str | None:
-    """Why no plan fits: the tables that fit on no device in any allowed way and by how much, or else (with
-    ``whole_model``) the total the tables need against what all devices have; None if neither applies.
+    """Why no plan fits: the reservation alone exceeds a device, or the tables that fit on no device in
+    any allowed way and by how much, or else (with ``whole_model``) the total the tables need against
+    what all devices have; None if none applies.
 
     TorchRec's PlannerError reports the storage gap of the whole model only; this enumerates the same
     options the planner had and keeps, per table, the one that comes closest to fitting on one device.
     """
     batch_size = batch_size_per_rank or BATCH_SIZE
-    available = FixedPercentageStorageReservation(percentage=STORAGE_RESERVED_FRACTION).reserve(
-        topology, batch_size, module, sharders, constraints
-    )
+    reservation = storage_reservation(
+        module, sharders, compute_device=topology.compute_device,
+        hbm_reserved_fraction=hbm_reserved_fraction, hbm_reserved_bytes=hbm_reserved_bytes,
+    )  # fmt: skip
+    try:
+        available = reservation.reserve(topology, batch_size, module, sharders, constraints)
+    except PlannerError:
+        budget_if_empty = memory_budget(
+            topology, module, sharders, constraints, batch_size, hbm_reserved_fraction=0.0, hbm_reserved_bytes=0
+        )
+        return (
+            f"the model does not fit: before any table, each device needs {_gib(budget_if_empty.dense_bytes)} for the "
+            f"dense part in training and {_gib(budget_if_empty.inputs_bytes)} for the pipeline's sparse inputs, plus "
+            f"strategy.topology_overrides.hbm_reserved_fraction = {hbm_reserved_fraction} and hbm_reserved_bytes = "
+            f"{hbm_reserved_bytes}, more than its {_gib(budget_if_empty.capacity_bytes)} of HBM"
+        )
     hbm_free = min(device.storage.hbm for device in available.devices)
     ddr_free = min(device.storage.ddr for device in available.devices)
     options = EmbeddingEnumerator(topology=topology, batch_size=batch_size, constraints=constraints).enumerate(
@@ -306,7 +433,10 @@ def explain_shortfall(
     free = f"{_gib(ddr_free)} of host memory"
     if tier == "HBM":
         free = f"{_gib(hbm_free)} of HBM and {free}"
-    reserved = "what the planner may fill: the capacity less the share kept for the dense part"
+    reserved = (
+        "what the planner may fill: the capacity less strategy.topology_overrides.hbm_reserved_fraction, "
+        "the dense part in training and the pipeline's inputs"
+    )
     too_big = {name: gap for name, gap in shortfalls.items() if gap > 0}
     if too_big:
         lines = [f"  {name}: short by {_gib(gap)} per device" for name, gap in sorted(too_big.items(), key=_by_gap)]
@@ -353,11 +483,13 @@ def plan_sharding(
     objective: str,
     process_group: dist.ProcessGroup,
 ) -> PlannedSharding:
-    """Plans on rank 0 and broadcasts the plan, or the reason there is none, to every rank.
+    """Plans on rank 0 for the least HBM any rank has, and broadcasts the plan, or the reason there is
+    none, to every rank; warns when the plan keeps tables in host memory.
 
     TorchRec's ``collective_plan`` does the same but leaves the other ranks waiting in the broadcast
     forever when the planner fails on rank 0; here every rank raises the same error.
     """
+    device = least_hbm_over_ranks(device, process_group)
     outcome: list[Any] = [None]
     if dist.get_rank(process_group) == 0:
         try:
@@ -365,13 +497,80 @@ def plan_sharding(
             outcome[0] = plan_on_this_process(
                 module, topology=topology, sharders=sharders, constraints=constraints,
                 batch_size_per_rank=batch_size_per_rank, objective=objective,
-            )
+                hbm_reserved_fraction=device.hbm_reserved_fraction, hbm_reserved_bytes=device.hbm_reserved_bytes,
+            )  # fmt: skip
+            outcome[0].topology = device
         except Exception as error:  # noqa: BLE001 - re-raised on every rank below
             outcome[0] = f"{type(error).__name__}: {error}" if not isinstance(error, ValueError) else str(error)
     dist.broadcast_object_list(outcome, src=dist.get_global_rank(process_group, 0), group=process_group)
     if isinstance(outcome[0], str):
         raise ValueError(f"sharding plan: {outcome[0]}")
-    return outcome[0]
+    planned: PlannedSharding = outcome[0]
+    if planned.memory_budget is not None:
+        rank_zero_info(describe_memory_budget(planned.memory_budget, device))
+    warning = host_memory_warning(planned)
+    if warning:
+        rank_zero_warn(warning)
+    return planned
+
+
+def least_hbm_over_ranks(device: DeviceTopology, process_group: dist.ProcessGroup) -> DeviceTopology:
+    """``device`` with the least ``hbm_cap_bytes`` any rank of ``process_group`` found (rank 0 plans for all:
+    with topology ``auto`` each rank has read the memory free on its own GPU)."""
+    if device.hbm_cap_source != HBM_FREE_AT_PLANNING:
+        return device  # a preset or an override: the same figure on every rank
+    every = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(every, device.hbm_cap_bytes, group=process_group)
+    return replace(device, hbm_cap_bytes=min(every), hbm_cap_source=f"{HBM_FREE_AT_PLANNING} (least over ranks)")
+
+
+def describe_memory_budget(budget: MemoryBudget, device: DeviceTopology) -> str:
+    """One line for the log: what the planner gave the tables per device, and what it kept back for what."""
+    memory = "HBM" if budget.memory == "hbm" else "host memory"
+    return (
+        f"Sharding planner: {_gib(budget.tables_bytes)} of {memory} per device for the embedding tables, of "
+        f"{_gib(budget.capacity_bytes)} ({device.hbm_cap_source if budget.memory == 'hbm' else 'preset'}); kept back: "
+        f"{_gib(budget.fraction_bytes)} (hbm_reserved_fraction {device.hbm_reserved_fraction:g}), "
+        f"{_gib(budget.dense_bytes)} dense part in training, {_gib(budget.inputs_bytes)} pipeline inputs, "
+        f"{_gib(budget.extra_bytes)} hbm_reserved_bytes"
+    )
+
+
+def host_memory_tables(plan: ShardingPlan) -> dict[str, str]:
+    """Tables the plan gives a UVM kernel (``fused_uvm``: rows in host memory, read by the GPU over PCIe;
+    ``fused_uvm_caching``: the same behind an HBM cache), with their kernel."""
+    return {
+        name: sharding.compute_kernel
+        for module_plan in plan.plan.values()
+        for name, sharding in module_plan.items()  # type: ignore[union-attr]
+        if "uvm" in sharding.compute_kernel
+    }
+
+
+def host_memory_warning(planned: PlannedSharding) -> str | None:
+    """A warning naming the tables the plan keeps in host memory and how much, or None when there are none.
+
+    TorchRec's planner may choose a UVM kernel on GPUs whenever the sharder offers it (it does unless
+    ``table_constraints`` limit ``compute_kernels``): ``planner_objective: memory`` prefers it because it
+    uses the least HBM, and ``performance`` takes it when the tables do not fit in HBM otherwise.
+    Such a table is read over PCIe every step: tens of times slower than HBM.
+    """
+    tables = host_memory_tables(planned.plan)
+    if not tables:
+        return None
+    host_bytes: dict[str, int] = {}
+    for estimate in planned.estimates:
+        host_bytes[estimate.table] = host_bytes.get(estimate.table, 0) + estimate.ddr_bytes
+    listed = ", ".join(
+        f"{name} ({kernel}{', ' + _gib(host_bytes[name]) + ' of host memory' if name in host_bytes else ''})"
+        for name, kernel in sorted(tables.items(), key=lambda item: _natural_key(item[0]))
+    )
+    return (
+        f"sharding plan: {len(tables)} table(s) live in host memory, read by the GPU over PCIe through UVM: {listed}. "
+        "They train much slower than tables in HBM. To keep every table in HBM use more GPUs, smaller tables, "
+        "strategy.planner_objective = performance, or strategy.table_constraints.<table>.compute_kernels: [fused] "
+        "(then a table that does not fit is refused with its shortfall)"
+    )
 
 
 def _natural_key(name: str) -> list[int | str]:

@@ -8,9 +8,12 @@ Recommendation Model Training on AMD Instinct GPUs", March 2026:
 https://rocm.blogs.amd.com/artificial-intelligence/recsys-training-docker/README.html).
 
 A preset is chosen by name in YAML (``trainer.strategy.init_args.topology: mi300x``), or ``auto``
-picks it from the device's name and reads the HBM capacity from the device. Every figure can be
-overridden (``topology_overrides: {hbm_cap_bytes: ...}``). World size and devices per node are never
-part of a preset: they always come from the launch.
+picks it from the device's name and takes as HBM capacity the memory *free* on the device when the
+plan is made (``torch.cuda.mem_get_info``: the total less the CUDA/HIP context, other processes and
+anything already allocated), the least over all ranks (app/distributed/sharding.py). Every figure can
+be overridden (``topology_overrides: {hbm_cap_bytes: ...}``), and so can the share of it the planner
+leaves to everything but the tables (``hbm_reserved_fraction``, ``hbm_reserved_bytes``). World size and
+devices per node are never part of a preset: they always come from the launch.
 
 Units: capacities in bytes (HBM and host memory as marketed, i.e. GiB, which is what the devices
 report); bandwidths in GB/s (10^9 bytes per second, as vendors publish them), converted to the
@@ -46,6 +49,13 @@ class DeviceTopology:
         intra_node_bw_gb_per_s: device-to-device bandwidth inside a node (xGMI, NVLink).
         inter_node_bw_gb_per_s: bandwidth between nodes per device (the NIC of each GPU).
         bwd_compute_multiplier: backward compute cost relative to forward (TorchRec's default is 2).
+        hbm_reserved_fraction: share of ``hbm_cap_bytes`` the planner leaves free for what neither
+            TorchRec's reservation nor its shard estimates count: activations of the dense part, NCCL's
+            and the all-to-all's buffers, the allocator's fragmentation (see app/distributed/sharding.py,
+            ``memory_reservation``, for what is reserved besides).
+        hbm_reserved_bytes: a fixed amount the planner also leaves free on each GPU (0 on CPU), for a
+            known extra (e.g. NCCL buffers grown with ``NCCL_BUFFSIZE``, another model on the GPU).
+        hbm_cap_source: where ``hbm_cap_bytes`` came from (a preset, the device's free memory, an override).
     """
 
     name: str
@@ -58,6 +68,9 @@ class DeviceTopology:
     intra_node_bw_gb_per_s: float
     inter_node_bw_gb_per_s: float
     bwd_compute_multiplier: float = 2.0
+    hbm_reserved_fraction: float = 0.15
+    hbm_reserved_bytes: int = 0
+    hbm_cap_source: str = "preset"
 
     def to_torchrec_kwargs(self) -> dict[str, Any]:
         """The figures under the names of TorchRec's ``Topology`` arguments, bandwidths in bytes/ms."""
@@ -78,7 +91,10 @@ class DeviceTopology:
         }
 
 
-OVERRIDABLE_FIELDS = tuple(f.name for f in dataclasses.fields(DeviceTopology) if f.name not in ("name", "compute_device"))
+OVERRIDABLE_FIELDS = tuple(
+    f.name for f in dataclasses.fields(DeviceTopology) if f.name not in ("name", "compute_device", "hbm_cap_source")
+)
+HBM_FREE_AT_PLANNING = "free on the device when planning"
 
 # PCIe gen5 x16: 128 GB/s both directions together (64 GB/s each way), the host link of every GPU below.
 _PCIE5_X16_GB_PER_S = 128.0
@@ -224,12 +240,18 @@ def preset_for_device_name(device_name: str) -> str | None:
 
 
 def detect_topology(device: torch.device) -> DeviceTopology:
-    """``auto``: the preset of the device the process runs on, with the HBM capacity the device reports."""
+    """``auto``: the preset of the device the process runs on, with the HBM free on it now as capacity.
+
+    Free, not total: the CUDA/HIP context (several hundred MiB), another process on the same GPU or
+    memory this process already holds are not the planner's to fill. Each rank reads its own device;
+    the planner on rank 0 takes the least over ranks (``sharding.plan_sharding``).
+    """
     if device.type == "cpu":
         return PRESETS["cpu"]
     name = preset_for_device_name(torch.cuda.get_device_name(device))
     base = PRESETS[name] if name is not None else _UNKNOWN_GPU
-    return dataclasses.replace(base, hbm_cap_bytes=torch.cuda.get_device_properties(device).total_memory)
+    free_bytes, _total_bytes = torch.cuda.mem_get_info(device)
+    return dataclasses.replace(base, hbm_cap_bytes=int(free_bytes), hbm_cap_source=HBM_FREE_AT_PLANNING)
 
 
 def validate_topology_settings(topology: str, overrides: Mapping[str, Any] | None) -> None:
@@ -247,6 +269,12 @@ def validate_topology_settings(topology: str, overrides: Mapping[str, Any] | Non
     for field, value in (overrides or {}).items():
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
             raise ValueError(f"strategy.topology_overrides.{field} = {value!r}: expected a non-negative number")
+    fraction = (overrides or {}).get("hbm_reserved_fraction", 0.0)
+    if fraction >= 1:
+        raise ValueError(
+            f"strategy.topology_overrides.hbm_reserved_fraction = {fraction!r}: expected a share of HBM below 1 "
+            "(e.g. 0.15)"
+        )
 
 
 def resolve_topology(
@@ -267,6 +295,10 @@ def resolve_topology(
         )
     overrides = dict(overrides or {})
     if overrides:
-        typed = {field: int(value) if field.endswith("_bytes") else float(value) for field, value in overrides.items()}
+        typed: dict[str, Any] = {
+            field: int(value) if field.endswith("_bytes") else float(value) for field, value in overrides.items()
+        }
+        if "hbm_cap_bytes" in typed:
+            typed["hbm_cap_source"] = "topology_overrides.hbm_cap_bytes"
         resolved = dataclasses.replace(resolved, name=f"{resolved.name} + overrides", **typed)
     return resolved
