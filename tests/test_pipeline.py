@@ -4,8 +4,9 @@ A plain run and a ``sparse_dist`` run of 17 steps (12 per epoch, so the run stop
 the second epoch), each validating twice per epoch: the pipelined run must train the very same
 batches in the same order to the same losses, bit for bit, evaluate to the same metrics (no
 prefetched training batch leaks into evaluation), stop on ``max_steps``, and a checkpoint it wrote
-mid-epoch must resume to exactly where it ended. (``semi_sync`` runs on GPUs only: TorchRec's
-semi-sync pipeline records CUDA streams.)
+mid-epoch must resume to exactly where it ended. Both runs clip gradients by value
+(``trainer.gradient_clip_val``), which Lightning leaves to the module under the pipeline's manual
+optimization. (``semi_sync`` runs on GPUs only: TorchRec's semi-sync pipeline records CUDA streams.)
 """
 
 from __future__ import annotations
@@ -26,13 +27,17 @@ STEPS_PER_EPOCH = 12  # 1,536 rows / (2 ranks x 64)
 MAX_STEPS = 17
 TRAIN_ROWS, VAL_ROWS = 1_536, 300
 LOG_EVERY_N_STEPS = 4
+# Small enough that every step clips some gradient: the largest one left is then exactly this value.
+GRADIENT_CLIP_VALUE = 1e-4
 
 
 def probed(cli) -> dict:
     """shards_and_predictions plus the training probe's records."""
     result = shards_and_predictions(cli)
     (probe,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "TrainingProbe"]
+    (gradients,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "GradientProbe"]
     result.update(steps=probe.steps, validations=probe.validations, root=cli.trainer.default_root_dir)
+    result.update(largest_gradients=gradients.largest)
     return result
 
 
@@ -42,6 +47,9 @@ def pipeline_args(sample, root, pipeline: str, *extra: str) -> list[str]:
         "--trainer.max_steps", str(MAX_STEPS),
         "--trainer.val_check_interval", "0.5",
         "--trainer.callbacks+=training_probe.TrainingProbe",
+        "--trainer.callbacks+=gradient_probe.GradientProbe",
+        "--trainer.gradient_clip_val", str(GRADIENT_CLIP_VALUE),
+        "--trainer.gradient_clip_algorithm", "value",
         "--trainer.log_every_n_steps", str(LOG_EVERY_N_STEPS),
         "--trainer.logger.class_path", "lightning.pytorch.loggers.CSVLogger",
         "--trainer.logger.init_args.save_dir", str(root),
@@ -84,6 +92,14 @@ def test_sparse_dist_trains_the_same_batches_to_the_same_losses_bit_for_bit(plai
         assert pipelined["steps"] == plain[rank]["steps"]
         assert pipelined["global_step"] == MAX_STEPS
     np.testing.assert_array_equal(sparse_dist["ranks"][0]["probabilities"], plain[0]["probabilities"])
+
+
+def test_gradient_clipping_applies_in_the_pipelined_step_as_in_the_plain_loop(plain, sparse_dist):
+    clipped = float(torch.tensor(GRADIENT_CLIP_VALUE))  # as float32 gradients hold it
+    for rank in range(2):
+        assert plain[rank]["largest_gradients"] == [clipped] * MAX_STEPS
+        assert sparse_dist["ranks"][rank]["largest_gradients"] == [clipped] * MAX_STEPS
+        assert sparse_dist["ranks"][rank]["steps"] == plain[rank]["steps"]
 
 
 def test_validation_mid_epoch_neither_loses_nor_repeats_a_training_batch(plain, sparse_dist):

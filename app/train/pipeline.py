@@ -17,7 +17,8 @@ themselves, which is why a pipelined module uses Lightning's manual optimization
   evaluation through it would see training batches (facebookresearch/dlrm#271): the model is
   detached before every evaluation and at the end of fit, and re-attached for the next step.
 - The optimizer it steps is Lightning's ``LightningOptimizer``: each step advances ``global_step``
-  exactly once, and the fused embedding update stays inside backward, once per batch.
+  exactly once, and the fused embedding update stays inside backward, once per batch. Lightning
+  does not clip gradients under manual optimization: ``clip_dense_gradients`` does, before each step.
 - Lightning counts the steps of manual optimization (a pipelined step) and of automatic
   optimization (the plain loop) apart, and ``global_step`` reads only the running mode's count. A
   checkpoint resumed with the other loop (``model.pipeline`` changed, or ``auto`` choosing another on
@@ -136,7 +137,27 @@ class _LightningOptimizerOf:
         self.module.optimizers().zero_grad(set_to_none=set_to_none)
 
     def step(self) -> None:
+        clip_dense_gradients(self.module)
         self.module.optimizers().step()
+
+
+def clip_dense_gradients(module: LightningModule) -> None:
+    """``trainer.gradient_clip_val`` / ``gradient_clip_algorithm`` applied as the plain loop applies them.
+
+    Under manual optimization Lightning never clips (``Precision._clip_gradients`` returns early, and
+    its configuration check that refuses clipping with manual optimization runs before the module's
+    ``setup`` turns it on): the pipeline's step calls the module's ``configure_gradient_clipping``
+    itself, between the backward the pipeline ran and the optimizer step, with the same arguments
+    Lightning's automatic loop passes. It clips what has gradients: the dense part (already
+    all-reduced by DDP in backward) and replicated tables. Tables with a fused optimizer were updated
+    inside backward by FBGEMM and have no gradient to clip, in the plain loop as here.
+    (Unlike the plain loop, the clipping comes before the ``on_before_optimizer_step`` hooks.)
+    """
+    trainer = module.trainer
+    optimizer = module.optimizers(use_pl_optimizer=False)
+    module.configure_gradient_clipping(
+        optimizer, gradient_clip_val=trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm
+    )
 
 
 class PipelinedTraining:
