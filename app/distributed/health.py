@@ -97,6 +97,7 @@ class RankHealth(Callback):
             print(
                 f"rank {trainer.global_rank}: {type(exception).__name__} during a run of {trainer.world_size} ranks; "
                 "if it names a connection, a closed pair or a timeout, another rank died or stalled longer than "
-                "trainer.strategy.init_args.timeout_s: its log has the cause",
+                "trainer.strategy.init_args.timeout_s (barrier_timeout_s at a barrier, e.g. around a checkpoint; "
+                "a monitoredBarrier error names the ranks): its log has the cause",
                 file=sys.stderr,
             )

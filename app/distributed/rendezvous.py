@@ -6,6 +6,11 @@ rank first checks in at the rendezvous store (the same TCPStore ``init_process_g
 hosted by rank 0, or by torchrun's agent) and waits at most ``rendezvous_timeout_s`` for the others,
 so that a node that never starts, a wrong ``MASTER_ADDR`` or a launch with fewer processes than
 ``trainer.devices`` x ``trainer.num_nodes`` ends every rank that did start, with one line saying why.
+
+Also the barrier for waits longer than the collective timeout (``wait_for_every_rank``): while one
+rank works alone (rank 0 publishing a checkpoint and deleting the previous one, a rank with more
+shards to write), the others wait on a gloo group with its own, longer timeout instead of in an NCCL
+collective, whose watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) ends the job after ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -62,7 +67,31 @@ def join_process_group(
     atexit.register(_destroy_process_group)
 
 
+# One gloo group per (default group, timeout): created at the first barrier, on every rank at once.
+_long_wait_groups: dict[tuple[int, float], dist.ProcessGroup] = {}
+
+
+def long_wait_group(timeout_s: float) -> dist.ProcessGroup:
+    """A gloo group of every rank whose collectives wait up to ``timeout_s``; every rank must ask for it
+    at the same point of the program (creating a group is a collective), as for any barrier.
+
+    Gloo, whatever the default backend: NCCL has no monitored barrier, and a wait there counts against
+    the NCCL watchdog's timeout. A rank that dies still ends the wait at once: gloo sees its
+    connection close (only a rank that is alive but stuck makes the others wait the whole timeout).
+    """
+    key = (id(dist.group.WORLD), timeout_s)
+    if key not in _long_wait_groups:
+        _long_wait_groups[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    return _long_wait_groups[key]
+
+
+def wait_for_every_rank(timeout_s: float) -> None:
+    """A barrier of all ranks that waits up to ``timeout_s`` and then names the ranks that never came."""
+    dist.monitored_barrier(group=long_wait_group(timeout_s), timeout=timedelta(seconds=timeout_s), wait_all_ranks=True)
+
+
 def _destroy_process_group() -> None:
+    _long_wait_groups.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 
