@@ -40,8 +40,9 @@ from app.checkpoint.export import is_exported_model, load_exported_into
 from app.checkpoint.format import CheckpointInfo
 from app.checkpoint.reshard import plan_allows
 from app.distributed.launch import check_launch, set_collective_error_defaults
+from app.distributed.placements import plan_on_devices
 from app.distributed.plan_report import plan_report, report_holds_plan, write_plan_report
-from app.distributed.rendezvous import join_process_group
+from app.distributed.rendezvous import join_process_group, wait_for_every_rank
 from app.train.lr_schedule import move_scheduler
 from app.train.optimizers import StepOnceCombinedOptimizer
 from app.distributed.sharding import (
@@ -59,6 +60,10 @@ from app.distributed.sharding import (
 from app.distributed.threads import set_worker_threads
 from app.distributed.topology import DeviceTopology, resolve_topology, validate_topology_settings
 
+# Precisions this strategy applies: float32, and bf16 autocast around each step (train_step_context).
+APPLIED_PRECISIONS = ("32-true", "bf16-mixed")
+
+
 class TorchRecStrategy(ParallelStrategy):
     """Shards the embedding tables of the LightningModule across all processes with TorchRec.
 
@@ -67,18 +72,29 @@ class TorchRecStrategy(ParallelStrategy):
             supports: data_parallel, table_wise, column_wise, table_column_wise on CPU; also row_wise,
             table_row_wise and grid_shard on GPUs).
         table_constraints: per-table limits, keyed by table name (``t_cat_0`` ... ``t_cat_25``).
-        topology: the hardware the planner plans for: ``auto`` (from the device's name, with the HBM the
-            device reports), ``mi300x``, ``mi325x``, ``mi355x``, ``a100``, ``h100``, ``h200``, ``b200`` or
-            ``cpu``. World size and devices per node always come from the launch.
+        topology: the hardware the planner plans for: ``auto`` (from the device's name, with the HBM free
+            on the device when planning, the least over ranks), ``mi300x``, ``mi325x``, ``mi355x``,
+            ``a100``, ``h100``, ``h200``, ``b200`` or ``cpu``. World size and devices per node always come from the launch.
         topology_overrides: figures that replace the preset's, by field: ``hbm_cap_bytes``,
             ``hbm_bw_gb_per_s``, ``ddr_cap_bytes``, ``ddr_bw_gb_per_s``, ``hbm_to_ddr_bw_gb_per_s``,
-            ``intra_node_bw_gb_per_s``, ``inter_node_bw_gb_per_s``, ``bwd_compute_multiplier``.
+            ``intra_node_bw_gb_per_s``, ``inter_node_bw_gb_per_s``, ``bwd_compute_multiplier``; and what
+            the planner leaves free for all but the tables: ``hbm_reserved_fraction`` (default 0.15: the
+            dense part's activations, NCCL and all-to-all buffers, fragmentation) and
+            ``hbm_reserved_bytes`` (default 0: a known extra per GPU). The dense part in training (6x its
+            parameters, TorchRec's heuristic) and the pipeline's sparse inputs are reserved besides; the
+            figures are in the log and in ``sharding_plan.txt``.
         planner_objective: ``performance`` (the plan with the lowest estimated step time) or ``memory``
-            (the lowest peak HBM per device).
+            (the lowest peak HBM per device). On GPUs either may put tables in host memory through
+            UVM kernels (``memory`` readily: it uses the least HBM); the run warns naming them.
         process_group_backend: ``gloo`` or ``nccl`` (default: ``nccl`` on GPUs, ``gloo`` on CPU).
         timeout_s: seconds a collective may wait before the process group gives up, so that a dead or
             stuck rank ends the job instead of hanging it. It must exceed the longest time one rank
-            works alone while the others wait (saving a checkpoint, planning, a slow first batch).
+            works alone while the others wait in a collective (planning, a slow first batch); the
+            waits at barriers (around checkpoints) have their own ``barrier_timeout_s``.
+        barrier_timeout_s: seconds a rank waits at a barrier for the others (on a gloo group of its own,
+            not under the NCCL watchdog): rank 0 publishing a checkpoint and deleting the previous one,
+            ranks writing shards of uneven size. A rank that dies ends the wait at once; one that is
+            stuck, after this.
         rendezvous_timeout_s: seconds every started rank waits for all ranks to join at start-up; a
             node that never starts or a wrong ``MASTER_ADDR`` ends the job after this, with a message
             naming the missing ranks.
@@ -97,6 +113,7 @@ class TorchRecStrategy(ParallelStrategy):
         planner_objective: str = "performance",
         process_group_backend: str | None = None,
         timeout_s: float = 300.0,
+        barrier_timeout_s: float = 3600.0,
         rendezvous_timeout_s: float = 120.0,
         num_threads_per_process: int | None = None,
     ) -> None:
@@ -109,6 +126,9 @@ class TorchRecStrategy(ParallelStrategy):
         self.planner_objective = planner_objective
         self._process_group_backend = process_group_backend
         self.timeout_s = timeout_s
+        if not barrier_timeout_s > 0:
+            raise ValueError(f"trainer.strategy.init_args.barrier_timeout_s = {barrier_timeout_s}: must be > 0 seconds")
+        self.barrier_timeout_s = barrier_timeout_s
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.num_threads_per_process = num_threads_per_process
         # As launched: Lightning's launcher exports its own value later, in the launching process only.
@@ -233,6 +253,15 @@ class TorchRecStrategy(ParallelStrategy):
                 f"trainer.precision = {precision}: fp16 loss scaling cannot reach the fused embedding update; "
                 "use bf16-mixed"
             )
+        if precision not in APPLIED_PRECISIONS:
+            # Lightning converts the module's weights (bf16-true, 64-true) or swaps its layers
+            # (transformer-engine) in Strategy.connect/_setup_model paths this strategy does not take:
+            # DMP owns the module, and FBGEMM's tables keep their own dtype. The run would train in
+            # float32 while claiming another precision.
+            raise ValueError(
+                f"trainer.precision = {precision}: not applied to a TorchRec-sharded model (the app applies "
+                f"{' and '.join(APPLIED_PRECISIONS)}); use bf16-mixed"
+            )
 
     def _checkpoint_to_load(self, trainer: Trainer) -> str | None:
         if not self.requested_ckpt_path:
@@ -276,6 +305,10 @@ class TorchRecStrategy(ParallelStrategy):
             objective=self.planner_objective,
             process_group=dist.group.WORLD,
         )
+        # The planner's placements name cuda:{rank % local_world_size} and a saved plan names the
+        # devices of the run that wrote it; torch refuses a shard whose device differs from its placement.
+        assert self.parallel_devices is not None
+        planned.plan = plan_on_devices(planned.plan, self.parallel_devices)
         self.sharding_plan = planned.plan
         source = f", as saved in {checkpoint_path}" if reuse else ""
         rank_zero_info(f"TorchRec sharding plan ({self.world_size} ranks{source}):\n{format_plan(self.sharding_plan)}")
@@ -333,10 +366,10 @@ class TorchRecStrategy(ParallelStrategy):
     def barrier(self, name: str | None = None) -> None:
         if not dist.is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        # The barriers are where ranks wait while one works alone (rank 0 publishing a checkpoint and
+        # deleting the previous one, uneven shard writes): on gloo with barrier_timeout_s, since an NCCL
+        # barrier would end a healthy job after timeout_s (app/distributed/rendezvous.py).
+        wait_for_every_rank(self.barrier_timeout_s)
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not dist.is_initialized():
