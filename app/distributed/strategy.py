@@ -28,7 +28,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.optim import Optimizer
 from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -53,6 +53,7 @@ from app.distributed.sharding import (
     default_sharders,
     embedding_table_names,
     format_plan,
+    host_memory_warning,
     plan_sharding,
     validate_fused_optimizer,
     validate_sharding_request,
@@ -310,6 +311,8 @@ class TorchRecStrategy(ParallelStrategy):
         assert self.parallel_devices is not None
         planned.plan = plan_on_devices(planned.plan, self.parallel_devices)
         self.sharding_plan = planned.plan
+        if reuse and (warning := host_memory_warning(planned)):  # plan_sharding warns for a fresh plan
+            rank_zero_warn(warning)
         source = f", as saved in {checkpoint_path}" if reuse else ""
         rank_zero_info(f"TorchRec sharding plan ({self.world_size} ranks{source}):\n{format_plan(self.sharding_plan)}")
         self._write_plan_report(planned, device_topology, source=str(checkpoint_path) if reuse else "the planner")
@@ -441,3 +444,7 @@ class TorchRecStrategy(ParallelStrategy):
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             checkpoint_format.remove(filepath)
+        # ModelCheckpoint calls this on every rank with the same decision (it depends on paths only).
+        # Without this barrier the others would wait for rank 0's delete (minutes for a large folder on
+        # a network filesystem) inside their next NCCL collective, under timeout_s.
+        self.barrier("remove_checkpoint")
