@@ -84,9 +84,6 @@ def requirements_of(distribution: str, extras: set[str]) -> dict[str, set[str]]:
     return needed
 
 
-def installed_by_torch() -> set[str]:
-    """torch's own dependencies: the Makefile installs torch first, with them."""
-    return set(requirements_of("torch", set()))
 
 
 def needed_distributions(roots: dict[str, set[str]]) -> set[str]:
@@ -106,6 +103,12 @@ def needed_distributions(roots: dict[str, set[str]]) -> set[str]:
 @functools.cache
 def distributions_by_module() -> dict[str, list[str]]:
     return metadata.packages_distributions()
+
+
+def installed_by_torch() -> set[str]:
+    """torch's own dependencies, transitively (a CUDA build's nvidia-* libraries and theirs): the
+    Makefile installs torch first, with them."""
+    return needed_distributions({"torch": set()})
 
 
 def app_roots(stack: dict[str, set[str]]) -> dict[str, set[str]]:
