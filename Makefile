@@ -6,13 +6,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SAMPLE := data/sample/train.tsv
 
-.PHONY: setup run test test-compat sample lint bench bench-data clean help
+.PHONY: setup run test test-gpu test-compat sample lint bench bench-data clean help
 
 help:
 	@echo "make run    - set up .venv and train the demo (2 CPU processes, sharded embeddings)"
 	@echo "make test   - set up .venv and run the whole test suite"
 	@echo "make setup  - only create .venv and install the pinned stack (DEVICE=cuda: the CUDA builds)"
-	@echo "make test-compat - the multi-process tests on the oldest and the newest supported stack"
+	@echo "make test-compat - the multi-process tests on the oldest, the CUDA image's and the newest supported stack"
+	@echo "make test-gpu - the GPU checks (tests/gpu, about 10 min on one GPU; each skips with its reason without one); report in runs/gpu-report.json"
 	@echo "make sample - only generate the bundled Criteo-format sample in data/sample/"
 	@echo "make lint   - lint the Dockerfile with hadolint"
 	@echo "make bench  - the app against a plain TorchRec loop, side by side (JSON lines; BENCH_ARGS=\"--preset NAME ...\")"
@@ -56,6 +57,13 @@ run: setup sample
 test: setup lint
 	$(PY) -m pytest
 
+# The GPU checks alone (docs/gpu-checks.md). On a GPU machine set up with `make setup DEVICE=cuda`
+# (or DEVICE=cuda here, for a fresh clone). Without a usable GPU every check skips with its reason and
+# this exits 0. GPU_REPORT=PATH moves the JSON report; GPU_TEST_ARGS adds pytest arguments (-k NAME, -x).
+GPU_TEST_ARGS ?=
+test-gpu: setup
+	$(PY) -m pytest -m gpu tests/gpu -rs $(GPU_TEST_ARGS)
+
 lint: setup
 	$(VENV)/bin/hadolint Dockerfile
 
@@ -68,19 +76,20 @@ bench-data: setup
 	$(PY) data/bench_data.py
 
 clean:
-	rm -rf $(VENV) .venv-compat-oldest .venv-compat-newest data/sample runs .pytest_cache
+	rm -rf $(VENV) .venv-compat-oldest .venv-compat-cudaimage .venv-compat-newest data/sample runs .pytest_cache
 
-# ---- the oldest and the newest supported torch / fbgemm-gpu / torchrec (README "GPUs") --------------
-# Each stack gets its own environment, .venv-compat-oldest and .venv-compat-newest: its torch (with its
+# ---- the oldest, the CUDA image's and the newest supported torch / fbgemm-gpu / torchrec (docs/gpus.md)
+# Each stack gets its own environment, .venv-compat-<name> for requirements-compat-<name>.txt: its torch (with its
 # dependencies), then requirements.txt without the lines the stack's file replaces, then the stack's
 # own pins with --no-deps, as in `setup`. PyPI's Linux torch wheels are CUDA builds that also run on
 # CPU (they bring ~5 GB of nvidia-* libraries); where PyTorch's CPU index is reachable, use it instead:
 #   make test-compat COMPAT_TORCH_INDEX=https://download.pytorch.org/whl/cpu
 COMPAT_TORCH_INDEX ?=
 # The multi-process tests that matter on another stack: sharded fit, sharded == unsharded, resume,
-# predict from a sharded checkpoint, and the planner with the hardware presets.
+# predict from a sharded checkpoint, the planner with the hardware presets; and which optimizers run
+# fused under that torch.
 COMPAT_TESTS := tests/test_sharding.py tests/test_resume.py tests/test_topology.py \
-	tests/test_train.py::test_predict_writes_one_probability_per_row_in_order
+	tests/test_train.py::test_predict_writes_one_probability_per_row_in_order tests/test_optimizers.py
 
 .venv-compat-%/.installed: requirements-compat-%.txt requirements.txt requirements-dev.txt
 	test -x .venv-compat-$*/bin/python || $(PYTHON) -m venv .venv-compat-$*
@@ -97,6 +106,7 @@ COMPAT_TESTS := tests/test_sharding.py tests/test_resume.py tests/test_topology.
 		print('$* stack ok: torch', torch.__version__, '| fbgemm-gpu-cpu', v('fbgemm-gpu-cpu'), '| torchrec', v('torchrec'))"
 	touch $@
 
-test-compat: .venv-compat-oldest/.installed .venv-compat-newest/.installed
+test-compat: .venv-compat-oldest/.installed .venv-compat-cudaimage/.installed .venv-compat-newest/.installed
 	.venv-compat-oldest/bin/python -m pytest -q $(COMPAT_TESTS)
+	.venv-compat-cudaimage/bin/python -m pytest -q $(COMPAT_TESTS)
 	.venv-compat-newest/bin/python -m pytest -q $(COMPAT_TESTS)
