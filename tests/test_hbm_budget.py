@@ -15,14 +15,8 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from app.distributed.plan_report import format_report, plan_report
-from app.distributed.sharding import (
-    build_topology,
-    default_sharders,
-    dense_training_bytes,
-    host_memory_warning,
-    memory_budget,
-    plan_on_this_process,
-)
+from app.distributed.hbm_budget import dense_training_bytes, memory_budget
+from app.distributed.sharding import build_topology, default_sharders, host_memory_warning, plan_on_this_process
 from app.distributed.topology import GIB, PRESETS, resolve_topology
 from test_cli import test_bad_settings_stop_before_any_worker_with_one_line as refused_before_launch
 

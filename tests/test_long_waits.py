@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from app.distributed.rendezvous import join_process_group, long_wait_group, wait_for_every_rank
-from app.distributed.sharding import least_hbm_over_ranks
+from app.distributed.hbm_budget import least_hbm_over_ranks
 from app.distributed.topology import GIB, HBM_FREE_AT_PLANNING, PRESETS
 from multiprocess import free_port
 

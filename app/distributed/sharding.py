@@ -8,12 +8,10 @@ starts, and renders the resulting plan as a table for the log.
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -23,7 +21,6 @@ from torchrec.distributed.planner.constants import BATCH_SIZE
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.perf_models import NoopPerfModel, NoopStorageModel
 from torchrec.distributed.planner.stats import EmbeddingStats
-from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
 from torchrec.distributed.planner.types import (
     ParameterConstraints,
     PlannerError,
@@ -32,12 +29,20 @@ from torchrec.distributed.planner.types import (
     Stats,
     Topology,
 )
-from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType, get_tensor_size_bytes
+from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from app.compat import create_topology
-from app.distributed.topology import HBM_FREE_AT_PLANNING, DeviceTopology
+from app.distributed.hbm_budget import (
+    MemoryBudget,
+    format_bytes,
+    least_hbm_over_ranks,
+    memory_budget,
+    describe_memory_budget,
+    storage_reservation,
+)
+from app.distributed.topology import DeviceTopology
 
 SHARDING_TYPES: tuple[str, ...] = tuple(t.value for t in ShardingType)
 
@@ -176,28 +181,6 @@ class ShardEstimate:
     total_ms: float  # as TorchRec's performance model counts it (with prefetch and input distribution)
 
 
-@dataclass(frozen=True)
-class MemoryBudget:
-    """Per device, in bytes: its capacity, what the planner left free for everything but the tables, and
-    what it let the tables fill. ``memory`` is ``hbm`` on GPUs, ``ddr`` (host memory) on CPU.
-
-    Each table shard's own estimate (``ShardEstimate.hbm_bytes``) already holds its weights, its fused
-    optimizer state and its lookup's inputs and outputs for one batch; the reservation is for the rest.
-    """
-
-    memory: str
-    capacity_bytes: int  # as planned for: with topology auto, the least free on any rank
-    fraction_bytes: int  # hbm_reserved_fraction of it: activations, NCCL and all-to-all buffers, fragmentation
-    dense_bytes: int  # the dense part in training: weights, gradients, optimizer state, DDP buckets
-    inputs_bytes: int  # sparse inputs (KJTs) of the pipeline's batches in flight, TorchRec's estimate
-    extra_bytes: int  # hbm_reserved_bytes
-    tables_bytes: int  # what the tables may fill
-
-    @property
-    def reserved_bytes(self) -> int:
-        return self.capacity_bytes - self.tables_bytes
-
-
 @dataclass
 class PlannedSharding:
     """A sharding plan with what the planner estimated for each shard (empty for a plan it did not make),
@@ -217,88 +200,6 @@ class _BestPlanRecorder(Stats):
 
     def log(self, *args: Any, best_plan: list[ShardingOption] | None = None, **kwargs: Any) -> None:
         self.best_plan = list(best_plan or [])
-
-
-# TorchRec's heuristic for the dense part in training (HeuristicalStorageReservation's default): its
-# parameters six times over, "parameter + optimizer (~2x parameter) + ddp (~3x parameter)": the weights,
-# their gradients, up to two optimizer moments (Adam; Adagrad keeps one) and DDP's gradient buckets.
-DENSE_PARAMETER_MULTIPLIER = 6.0
-
-
-def dense_training_bytes(module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> int:
-    """Bytes the part of ``module`` outside the shardable modules takes in training, by TorchRec's heuristic:
-    ``DENSE_PARAMETER_MULTIPLIER`` x its parameters, plus its buffers.
-
-    TorchRec computes the same inside its reservation (module less shardable modules) but warns on
-    every plan that its figure may be wrong when tensors are not materialised; computed here, the
-    figure goes to the plan report and the reservation logs it instead of warning.
-    """
-    shardable = tuple(sharder.module_type for sharder in sharders)
-    in_tables = {
-        id(tensor)
-        for sub in module.modules()
-        if isinstance(sub, shardable)
-        for tensor in [*sub.parameters(), *sub.buffers()]
-    }
-    parameters = sum(get_tensor_size_bytes(p) for p in module.parameters() if id(p) not in in_tables)
-    buffers = sum(get_tensor_size_bytes(b) for b in module.buffers() if id(b) not in in_tables)
-    return round(DENSE_PARAMETER_MULTIPLIER * parameters + buffers)
-
-
-def storage_reservation(
-    module: nn.Module,
-    sharders: list[ModuleSharder[nn.Module]],
-    *,
-    compute_device: str,
-    hbm_reserved_fraction: float,
-    hbm_reserved_bytes: int,
-) -> HeuristicalStorageReservation:
-    """TorchRec's reservation of what is not a table: ``hbm_reserved_fraction`` of each device's HBM,
-    the dense part (``dense_training_bytes``) plus ``hbm_reserved_bytes`` (GPUs only), and the sparse
-    inputs of the pipeline's batches in flight (TorchRec's estimate: 2 batches x 10 copies of the ids).
-
-    TorchRec's FixedPercentageStorageReservation (used before) reserves the fraction only; the dense
-    part then had to fit in the same 15 % as the activations and buffers, whatever its size.
-    """
-    extra_bytes = hbm_reserved_bytes if compute_device != "cpu" else 0
-    estimate = dense_training_bytes(module, sharders) + extra_bytes
-    with warnings.catch_warnings():
-        # Its constructor warns that its own dense estimate can be wrong for tables not materialised;
-        # the estimate is passed in (see dense_training_bytes).
-        warnings.simplefilter("ignore", FutureWarning)
-        return HeuristicalStorageReservation(
-            percentage=hbm_reserved_fraction,
-            parameter_multiplier=DENSE_PARAMETER_MULTIPLIER,
-            dense_tensor_estimate=estimate or None,  # 0 would make it compute (the same 0) and warn
-        )
-
-
-def memory_budget(
-    topology: Topology,
-    module: nn.Module,
-    sharders: list[ModuleSharder[nn.Module]],
-    constraints: dict[str, ParameterConstraints],
-    batch_size: int,
-    *,
-    hbm_reserved_fraction: float,
-    hbm_reserved_bytes: int,
-) -> MemoryBudget:
-    """What TorchRec's reservation (``storage_reservation``) leaves to the tables on each device, part by part."""
-    reservation = storage_reservation(
-        module, sharders, compute_device=topology.compute_device,
-        hbm_reserved_fraction=hbm_reserved_fraction, hbm_reserved_bytes=hbm_reserved_bytes,
-    )  # fmt: skip
-    reserved = reservation.reserve(topology, batch_size, module, sharders, constraints)
-    memory = "ddr" if topology.compute_device == "cpu" else "hbm"
-    capacity = getattr(topology.devices[0].storage, memory)
-    tables = getattr(reserved.devices[0].storage, memory)
-    fraction = capacity - int((1 - hbm_reserved_fraction) * capacity) if memory == "hbm" else 0
-    extra = hbm_reserved_bytes if memory == "hbm" else 0
-    dense = dense_training_bytes(module, sharders)
-    return MemoryBudget(
-        memory=memory, capacity_bytes=capacity, fraction_bytes=fraction, dense_bytes=dense,
-        inputs_bytes=capacity - tables - fraction - dense - extra, extra_bytes=extra, tables_bytes=tables,
-    )  # fmt: skip
 
 
 def build_topology(device: DeviceTopology, *, world_size: int, local_world_size: int) -> Topology:
@@ -410,10 +311,10 @@ def explain_shortfall(
             topology, module, sharders, constraints, batch_size, hbm_reserved_fraction=0.0, hbm_reserved_bytes=0
         )
         return (
-            f"the model does not fit: before any table, each device needs {_gib(budget_if_empty.dense_bytes)} for the "
-            f"dense part in training and {_gib(budget_if_empty.inputs_bytes)} for the pipeline's sparse inputs, plus "
+            f"the model does not fit: before any table, each device needs {format_bytes(budget_if_empty.dense_bytes)} for the "
+            f"dense part in training and {format_bytes(budget_if_empty.inputs_bytes)} for the pipeline's sparse inputs, plus "
             f"strategy.topology_overrides.hbm_reserved_fraction = {hbm_reserved_fraction} and hbm_reserved_bytes = "
-            f"{hbm_reserved_bytes}, more than its {_gib(budget_if_empty.capacity_bytes)} of HBM"
+            f"{hbm_reserved_bytes}, more than its {format_bytes(budget_if_empty.capacity_bytes)} of HBM"
         )
     hbm_free = min(device.storage.hbm for device in available.devices)
     ddr_free = min(device.storage.ddr for device in available.devices)
@@ -430,16 +331,16 @@ def explain_shortfall(
         total = sum(shard.storage.hbm if tier == "HBM" else shard.storage.ddr for shard in option.shards)
         smallest[option.name] = min(total, smallest.get(option.name, total))
     per_device = hbm_free if tier == "HBM" else ddr_free
-    free = f"{_gib(ddr_free)} of host memory"
+    free = f"{format_bytes(ddr_free)} of host memory"
     if tier == "HBM":
-        free = f"{_gib(hbm_free)} of HBM and {free}"
+        free = f"{format_bytes(hbm_free)} of HBM and {free}"
     reserved = (
         "what the planner may fill: the capacity less strategy.topology_overrides.hbm_reserved_fraction, "
         "the dense part in training and the pipeline's inputs"
     )
     too_big = {name: gap for name, gap in shortfalls.items() if gap > 0}
     if too_big:
-        lines = [f"  {name}: short by {_gib(gap)} per device" for name, gap in sorted(too_big.items(), key=_by_gap)]
+        lines = [f"  {name}: short by {format_bytes(gap)} per device" for name, gap in sorted(too_big.items(), key=_by_gap)]
         return (
             f"the model does not fit: {len(too_big)} table(s) fit on no device in any allowed sharding "
             f"({free} per device, {reserved}):\n"
@@ -451,24 +352,16 @@ def explain_shortfall(
         return None
     need = sum(smallest.values())
     have = per_device * topology.world_size
-    largest = ", ".join(f"{name} {_gib(size)}" for name, size in sorted(smallest.items(), key=_by_gap)[:3])
+    largest = ", ".join(f"{name} {format_bytes(size)}" for name, size in sorted(smallest.items(), key=_by_gap)[:3])
     return (
-        f"the model does not fit: its tables need at least {_gib(need)} of {tier} in all, the "
-        f"{topology.world_size} devices have {_gib(have)} free ({reserved}): short by {_gib(max(need - have, 0))} "
+        f"the model does not fit: its tables need at least {format_bytes(need)} of {tier} in all, the "
+        f"{topology.world_size} devices have {format_bytes(have)} free ({reserved}): short by {format_bytes(max(need - have, 0))} "
         f"or more (largest tables: {largest})"
     )
 
 
 def _by_gap(item: tuple[str, int]) -> tuple[int, list[int | str]]:
     return (-item[1], _natural_key(item[0]))
-
-
-def _gib(num_bytes: float) -> str:
-    """Bytes in the largest binary unit that keeps the number at or above 1 (model sizes span KiB to TiB)."""
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.2f} {unit}"
-    return f"{num_bytes:.0f} bytes"
 
 
 def plan_sharding(
@@ -514,28 +407,6 @@ def plan_sharding(
     return planned
 
 
-def least_hbm_over_ranks(device: DeviceTopology, process_group: dist.ProcessGroup) -> DeviceTopology:
-    """``device`` with the least ``hbm_cap_bytes`` any rank of ``process_group`` found (rank 0 plans for all:
-    with topology ``auto`` each rank has read the memory free on its own GPU)."""
-    if device.hbm_cap_source != HBM_FREE_AT_PLANNING:
-        return device  # a preset or an override: the same figure on every rank
-    every = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(every, device.hbm_cap_bytes, group=process_group)
-    return replace(device, hbm_cap_bytes=min(every), hbm_cap_source=f"{HBM_FREE_AT_PLANNING} (least over ranks)")
-
-
-def describe_memory_budget(budget: MemoryBudget, device: DeviceTopology) -> str:
-    """One line for the log: what the planner gave the tables per device, and what it kept back for what."""
-    memory = "HBM" if budget.memory == "hbm" else "host memory"
-    return (
-        f"Sharding planner: {_gib(budget.tables_bytes)} of {memory} per device for the embedding tables, of "
-        f"{_gib(budget.capacity_bytes)} ({device.hbm_cap_source if budget.memory == 'hbm' else 'preset'}); kept back: "
-        f"{_gib(budget.fraction_bytes)} (hbm_reserved_fraction {device.hbm_reserved_fraction:g}), "
-        f"{_gib(budget.dense_bytes)} dense part in training, {_gib(budget.inputs_bytes)} pipeline inputs, "
-        f"{_gib(budget.extra_bytes)} hbm_reserved_bytes"
-    )
-
-
 def host_memory_tables(plan: ShardingPlan) -> dict[str, str]:
     """Tables the plan gives a UVM kernel (``fused_uvm``: rows in host memory, read by the GPU over PCIe;
     ``fused_uvm_caching``: the same behind an HBM cache), with their kernel."""
@@ -562,7 +433,7 @@ def host_memory_warning(planned: PlannedSharding) -> str | None:
     for estimate in planned.estimates:
         host_bytes[estimate.table] = host_bytes.get(estimate.table, 0) + estimate.ddr_bytes
     listed = ", ".join(
-        f"{name} ({kernel}{', ' + _gib(host_bytes[name]) + ' of host memory' if name in host_bytes else ''})"
+        f"{name} ({kernel}{', ' + format_bytes(host_bytes[name]) + ' of host memory' if name in host_bytes else ''})"
         for name, kernel in sorted(tables.items(), key=lambda item: _natural_key(item[0]))
     )
     return (
