@@ -154,10 +154,19 @@ class DLRMModule(LightningModule):
         """Refuses (or warns about) an eval set too large for exact AUC in host memory, then gives
         the exact AUC a group that gathers host memory (called on every rank: a collective)."""
         num_rows = _eval_rows(self.trainer.datamodule, split)
+        warning = refusal = None
         if num_rows is not None:
-            warning = check_exact_auc_memory(num_rows, split, self.trainer.num_devices, available_host_bytes())
-            if warning:
-                rank_zero_warn(warning)
+            try:
+                warning = check_exact_auc_memory(num_rows, split, self.trainer.num_devices, available_host_bytes())
+            except ValueError as error:
+                refusal = str(error)
+        # Decided together: hosts differ in free memory, and a rank refusing alone would leave the
+        # others waiting in their next collective until the timeout.
+        if self.trainer.strategy.reduce_boolean_decision(refusal is not None, all=False):
+            raise ValueError(refusal or "model.eval_metrics = exact: another machine of this run lacks the host memory "
+                             "for the exact AUC (its rank's error says how much); use model.eval_metrics: binned")
+        if warning:
+            rank_zero_warn(warning)
         group = host_process_group()
         sync_exact_auc_through(self.val_metrics, group)
         sync_exact_auc_through(self.test_metrics, group)
