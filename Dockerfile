@@ -37,6 +37,9 @@ FROM ${ROCM_BASE_IMAGE} AS base-rocm
 ARG ROCM_APP_PINS="lightning==2.6.6 torchmetrics==1.9.0 jsonargparse[signatures]==4.53.0 tensorboard==2.21.0"
 # A pure-Python runtime dependency of torchrec, installed only if the image does not have it.
 ARG ROCM_TORCHREC_DEP_PIN="pyre-extensions==0.0.32"
+# torchrec 1.5-1.7 import iopath at the top of torchrec/datasets/criteo.py, which the app imports;
+# installed only if the image's torchrec cannot import it.
+ARG ROCM_IOPATH_PINS="iopath==0.1.9 portalocker==4.4.2"
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /workspace
@@ -49,7 +52,7 @@ COPY requirements.txt ./
 # pip then reports "dependency conflicts" for torchrec (its wheel declares fbgemm-gpu and
 # torchmetrics==1.0.3): expected, the same reason the Makefile installs torchrec with --no-deps.
 RUN set -euf; \
-    for pin in ${ROCM_APP_PINS} ${ROCM_TORCHREC_DEP_PIN}; do \
+    for pin in ${ROCM_APP_PINS} ${ROCM_TORCHREC_DEP_PIN} ${ROCM_IOPATH_PINS}; do \
         grep -qxF "${pin}" requirements.txt \
             || { echo "Dockerfile pin '${pin}' is not a line of requirements.txt" >&2; exit 1; }; \
     done; \
@@ -59,6 +62,8 @@ RUN set -euf; \
     python3 -m pip install --no-cache-dir -c /tmp/image-stack.txt ${ROCM_APP_PINS}; \
     python3 -c "import pyre_extensions" 2>/dev/null \
         || python3 -m pip install --no-cache-dir -c /tmp/image-stack.txt "${ROCM_TORCHREC_DEP_PIN}"; \
+    python3 -c "import iopath" 2>/dev/null \
+        || python3 -m pip install --no-cache-dir -c /tmp/image-stack.txt ${ROCM_IOPATH_PINS}; \
     python3 -m pip list --format=freeze | grep -iE "${stack}" | sort | diff -u /tmp/image-stack.txt - \
         || { echo "pip changed the image's torch/fbgemm/torchrec stack" >&2; exit 1; }; \
     rm /tmp/image-stack.txt
