@@ -14,8 +14,8 @@ from app.data.source import RowBlock
 from app.model.dlrm import build_dlrm
 from app.train.metrics import build_eval_metrics
 
-# Skipped without CUDA/ROCm on its own too (tests/gpu/conftest.py gives the full reason in make test-gpu).
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]
+# Skipped without a usable GPU by tests/gpu/conftest.py, with the reason, as every check of this folder.
+pytestmark = pytest.mark.gpu
 
 
 def _predictions(num_rows: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
