@@ -43,6 +43,13 @@ def silence_library_notices() -> None:
         category=UserWarning,
         module=r"lightning\.pytorch\.loops\.utilities",
     )
+    # DLRMModule.transfer_batch_to_device copies a CriteoBatch non_blocking from whatever data module
+    # feeds it; Lightning says on every run that the module's hook is the one used, which is the intent.
+    warnings.filterwarnings(
+        "ignore",
+        message="You have overridden `transfer_batch_to_device` in `LightningModule` but have passed in a `LightningDataModule`",
+        category=UserWarning,
+    )
     # Lightning's own all_gather (LightningModule.all_gather, used by RankHealth) still calls
     # torch.distributed.nn.functional.all_gather, deprecated but working (under no_grad there).
     warnings.filterwarnings(

@@ -26,7 +26,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, args: list[str], inspect: Inspect | None, out_dir: str) -> None:
+def cli_worker(rank: int, world_size: int, port: int, args: list[str], inspect: Inspect | None, out_dir: str) -> None:
+    """One rank of `python -m app <args>` (a spawned process): its inspect result, or its error, pickled
+    into out_dir for the test. Shared with tests/gpu/gpu_runs.py."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", APP_TRACEBACK="1"
     )
@@ -46,7 +48,7 @@ def run_on_ranks(world_size: int, args: list[str], tmp_path: Path, inspect: Insp
     out_dir = tmp_path / f"ranks{world_size}_{free_port()}"
     out_dir.mkdir(parents=True)
     mp.start_processes(
-        _worker, args=(world_size, free_port(), args, inspect, str(out_dir)), nprocs=world_size, start_method="spawn"
+        cli_worker, args=(world_size, free_port(), args, inspect, str(out_dir)), nprocs=world_size, start_method="spawn"
     )
     results = [pickle.loads((out_dir / f"rank{rank}.pkl").read_bytes()) for rank in range(world_size)]
     for rank, result in enumerate(results):

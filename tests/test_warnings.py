@@ -70,6 +70,7 @@ SILENCED = {
     "DDP broadcast_buffers": "`broadcast_buffers` is deprecated",
     "pytree LeafSpec": "LeafSpec",
     "fx tracing": "is_fx_tracing",
+    "transfer_batch_to_device is the module's": "overridden `transfer_batch_to_device` in `LightningModule`",
 }
 
 

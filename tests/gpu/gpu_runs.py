@@ -9,10 +9,8 @@ Like tests/multiprocess.py (the CPU suite's runner), plus the deadline: ``torch.
 
 from __future__ import annotations
 
-import os
 import pickle
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,26 +19,13 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from multiprocess import free_port
+from multiprocess import cli_worker, free_port
 
 Inspect = Callable[[Any], dict[str, Any]]
 # One run of the tiny model is start-up (imports, CUDA context, planning) plus a few seconds of
 # steps; 300 s is ten times what it should take, and the strategy's own collective timeout (300 s).
 RUN_TIMEOUT_S = 300.0
 GPU = ["--trainer.accelerator", "gpu"]  # Lightning's name for CUDA and ROCm alike
-
-
-def _worker(rank: int, world_size: int, port: int, args: list[str], inspect: Inspect | None, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", APP_TRACEBACK="1")
-    result: dict[str, Any]
-    try:
-        from app.cli import cli_main
-
-        cli = cli_main(args + ["--trainer.devices", str(world_size)])
-        result = inspect(cli) if inspect else {}
-    except BaseException as error:  # reported to the test instead of dying silently
-        result = {"error": f"{type(error).__name__}: {error}\n{traceback.format_exc()}"}
-    Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
 def run_app(
@@ -52,7 +37,7 @@ def run_app(
     out_dir.mkdir(parents=True)
     started = time.perf_counter()
     context = mp.start_processes(
-        _worker, args=(world_size, free_port(), args, inspect, str(out_dir)), nprocs=world_size,
+        cli_worker, args=(world_size, free_port(), args, inspect, str(out_dir)), nprocs=world_size,
         start_method="spawn", join=False,
     )  # fmt: skip
     deadline = started + timeout_s
