@@ -80,7 +80,10 @@ def save(
     collectives.barrier()
     tensors = {key: checkpoint[key] for key in _TENSOR_KEYS if key in checkpoint}
     # dcp.save gathers every rank's result: a failure on one rank raises on all, no rank hangs.
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder))
+    # Its collectives go through the strategy's checkpoint group when it has one: ranks that finish
+    # writing first wait there for the slowest (uneven shards), not under the NCCL watchdog's timeout.
+    process_group = getattr(collectives, "checkpoint_process_group", None)
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder), process_group=process_group)
     collectives.barrier()  # every rank's shards are on disk
     if collectives.is_global_zero:
         meta = {key: value for key, value in checkpoint.items() if key not in _TENSOR_KEYS}
@@ -326,17 +329,20 @@ def load_sharded_state(
     optimizers: list[Any],
     saved_plan: ShardingPlan,
     current_plan: ShardingPlan | None,
+    process_group: Any = None,
 ) -> None:
     """Loads the DCP tensors of ``checkpoint_dir`` into the sharded ``module`` and its ``optimizers``.
 
     Every rank reads the pieces of the saved shards that overlap its own. ``saved_plan`` is the plan
-    the checkpoint was written under, ``current_plan`` the one ``module`` is sharded with.
+    the checkpoint was written under, ``current_plan`` the one ``module`` is sharded with;
+    ``process_group`` carries DCP's collectives (None: the default group).
     """
     assert current_plan is not None
     if _plan_json_by_rank(saved_plan) != _plan_json_by_rank(current_plan):
         # The fused optimizer's state keys and shapes follow the plan (torchrec#2394): app/checkpoint/reshard.py maps them.
         load_resharded(
-            checkpoint_dir, module, optimizers, saved_plan, current_plan, lambda: SafeFileSystemReader(checkpoint_dir)
+            checkpoint_dir, module, optimizers, saved_plan, current_plan, lambda: SafeFileSystemReader(checkpoint_dir),
+            process_group=process_group,
         )
     else:
         tensors: dict[str, Any] = {"state_dict": module.state_dict()}
@@ -344,7 +350,7 @@ def load_sharded_state(
             for optimizer in optimizers:
                 optimizer.init_state()  # fused optimizer state is lazy: give DCP tensors to load into
             tensors["optimizer_states"] = [optimizer.state_dict() for optimizer in optimizers]
-        dcp.load(tensors, storage_reader=SafeFileSystemReader(checkpoint_dir))
+        dcp.load(tensors, storage_reader=SafeFileSystemReader(checkpoint_dir), process_group=process_group)
         module.load_state_dict(tensors["state_dict"])
         for optimizer, state in zip(optimizers, tensors.get("optimizer_states", [])):
             optimizer.load_state_dict(state)

@@ -154,11 +154,13 @@ def load_resharded(
     saved_plan: ShardingPlan,
     current_plan: ShardingPlan,
     storage_reader: Callable[[], StorageReader] | None = None,
+    process_group: Any = None,
 ) -> None:
     """Loads weights and optimizer state written under ``saved_plan`` into a module sharded by ``current_plan``.
 
     Collective: every rank calls it. ``storage_reader`` makes a fresh reader of the checkpoint for
-    each DCP load (default: DCP's FileSystemReader). Raises a ValueError naming the table when the
+    each DCP load (default: DCP's FileSystemReader); ``process_group`` carries DCP's collectives
+    (None: the default group). Raises a ValueError naming the table when the
     optimizer state cannot be carried over.
     """
     path = Path(checkpoint_dir)
@@ -194,8 +196,8 @@ def load_resharded(
                     continue
                 for target in rowwise_targets(tensor, rows, current_layouts[table].column_ranges(dim)):
                     rowwise.append((saved_key, target, saved_md))
-    dcp.load(direct, storage_reader=reader())
-    load_rowwise(path, reader, rowwise, saved_layouts, model_state)
+    dcp.load(direct, storage_reader=reader(), process_group=process_group)
+    load_rowwise(path, reader, rowwise, saved_layouts, model_state, process_group=process_group)
     module.load_state_dict(model_state)
     for optimizer, state in zip(optimizers, optimizer_states):
         optimizer.load_state_dict(state)
@@ -294,8 +296,10 @@ def load_rowwise(
     rowwise: list[tuple[str, RowwiseTarget, TensorStorageMetadata]],
     saved_layouts: Mapping[str, TableLayout],
     model_state: Mapping[str, Any],
+    process_group: Any = None,
 ) -> None:
-    """Fills each row-wise target with the column-weighted mean of the saved shards' accumulators."""
+    """Fills each row-wise target with the column-weighted mean of the saved shards' accumulators
+    (``process_group`` carries DCP's collectives; None: the default group)."""
     slices: dict[str, tuple[str, list[int]]] = {}
     buffers: dict[str, torch.Tensor] = {}
     plans: list[tuple[RowwiseTarget, list[tuple[str, int]]]] = []
@@ -323,7 +327,7 @@ def load_rowwise(
             parts.append((name, overlap))
         plans.append((target, parts))
     # Every rank takes part in the collective load, also one with nothing to read.
-    dcp.load(buffers, storage_reader=reader(), planner=SliceLoadPlanner(slices))
+    dcp.load(buffers, storage_reader=reader(), planner=SliceLoadPlanner(slices), process_group=process_group)
     with torch.no_grad():
         for target, parts in plans:
             width = target.col_stop - target.col_start

@@ -42,7 +42,7 @@ from app.checkpoint.reshard import plan_allows
 from app.distributed.launch import check_launch, set_collective_error_defaults
 from app.distributed.placements import plan_on_devices
 from app.distributed.plan_report import plan_report, report_holds_plan, write_plan_report
-from app.distributed.rendezvous import join_process_group, wait_for_every_rank
+from app.distributed.rendezvous import join_process_group, long_wait_group, wait_for_every_rank
 from app.train.lr_schedule import move_scheduler
 from app.train.optimizers import StepOnceCombinedOptimizer
 from app.distributed.sharding import (
@@ -396,6 +396,14 @@ class TorchRecStrategy(ParallelStrategy):
     # The format lives in app/checkpoint/format.py: every rank writes its own shards through
     # torch.distributed.checkpoint; rank 0 adds the plain-data metadata and publishes the folder.
 
+    @property
+    def checkpoint_process_group(self) -> dist.ProcessGroup | None:
+        """The group DCP's collectives go through when saving and loading: the barriers' gloo group, so
+        that ranks waiting for the slowest writer or reader wait up to ``barrier_timeout_s`` and not
+        under the NCCL watchdog's ``timeout_s``. DCP exchanges only plans and results on it (pickled,
+        on the host); every rank reads and writes its own shards itself. None without a process group."""
+        return long_wait_group(self.barrier_timeout_s) if dist.is_initialized() else None
+
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         return getattr(optimizer, "_optimizer", optimizer).state_dict()
 
@@ -416,7 +424,8 @@ class TorchRecStrategy(ParallelStrategy):
         info = self._checkpoint_info(checkpoint_path, self.lightning_module)
         optimizers = self.optimizers if "optimizer_states" in info.meta["tensor_keys"] else []
         checkpoint_format.load_sharded_state(
-            info.path, self.lightning_module, optimizers, info.sharding_plan, self.sharding_plan
+            info.path, self.lightning_module, optimizers, info.sharding_plan, self.sharding_plan,
+            process_group=self.checkpoint_process_group,
         )
         return info.meta
 
