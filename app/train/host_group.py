@@ -15,13 +15,23 @@ def host_process_group() -> dist.ProcessGroup | None:
     """The group to gather CPU tensors through: None (the default group) where the default group
     carries them or there is a single process, else a new gloo group over all ranks.
 
-    Collective: every rank must call it at the same point (e.g. in a ``setup`` hook).
+    Collective the first time in a process group: every rank must call it at the same point (e.g. in
+    a ``setup`` hook); later calls return the same group.
     """
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     if carries_host_tensors():
         return None
-    return dist.new_group(backend="gloo")
+    # One per default group: the exact AUC (every fit/validate/test setup) and the predictions writer
+    # share it, instead of each setup creating another gloo group (a collective with its own sockets).
+    # The default group is kept with it, so a process group set up anew after a destroy gets its own.
+    world = dist.group.WORLD
+    if _host_group[0] is not world:
+        _host_group[:] = [world, dist.new_group(backend="gloo")]
+    return _host_group[1]
+
+
+_host_group: list = [None, None]  # [the default group it was made for, the gloo group]
 
 
 def carries_host_tensors(group: dist.ProcessGroup | None = None) -> bool:
