@@ -71,6 +71,8 @@ class DLRMCLI(LightningCLI):
         # launch, and leaves no worker behind.
         if isinstance(self.trainer.strategy, TorchRecStrategy):
             self.trainer.strategy.check_before_launch(self.trainer, self.model)
+        if isinstance(self.model, DLRMModule):
+            self.model.check_before_launch(self.trainer.strategy.root_device.type)
         if self.subcommand and self.trainer.global_rank == 0 and isinstance(self.datamodule, CriteoDataModule):
             self.datamodule.check_inputs(self.subcommand)
 

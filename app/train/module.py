@@ -6,10 +6,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MetricCollection
 
 from app.data.batches import CriteoBatch
+from app.model.compile import FirstStepTimer, check_compile_supported, compile_dense_layers
 from app.model.dlrm import Interaction, build_dlrm
 from app.model.tables import expand_table_sizes
 from app.train.log_steps import RunningMean, metrics_written_after_this_batch
@@ -81,6 +82,10 @@ class DLRMModule(LightningModule):
         lr_decay_end_factor: floor of the decay, as a fraction of the base learning rate.
             The schedule applies to the dense and the embedding optimizer alike (app/train/lr_schedule.py)
             and is logged as ``train/lr`` (dense) and ``train/lr_embedding``.
+        compile: compile the dense layers (bottom MLP, interaction, top MLP) with ``torch.compile``;
+            the embedding part stays eager (app/model/compile.py). The first training step and the
+            first evaluation batch wait for the compiler (tens of seconds, printed once); later steps are
+            faster (measured in docs/performance.md). Checkpoints move between compiled and eager runs.
     """
 
     def __init__(
@@ -107,6 +112,7 @@ class DLRMModule(LightningModule):
         lr_decay_steps: int = 0,
         lr_decay_power: float = 2.0,
         lr_decay_end_factor: float = 0.0,
+        compile: bool = True,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -131,6 +137,9 @@ class DLRMModule(LightningModule):
             interaction_branch2_layer_sizes=interaction_branch2_layer_sizes,
             embedding_device="meta",
         )
+        if compile:
+            compile_dense_layers(self.model)  # compiles at the first forward; the keys stay the same
+        self._first_compiled_step = FirstStepTimer()
         # Set before sharding: the sharder reads it to build the update into the embedding kernels.
         fuse_sparse_optimizer(self.model.sparse_arch.parameters(), sparse_optimizer, sparse_learning_rate)
         self.val_metrics = build_eval_metrics("val/", eval_metrics, auc_num_thresholds)
@@ -140,7 +149,14 @@ class DLRMModule(LightningModule):
         """Click logits (B,) for a batch."""
         return self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
 
+    def check_before_launch(self, device_type: str) -> None:
+        """The module's settings that this machine cannot run, refused naming the setting: the CLI calls
+        it before any worker starts, ``setup`` again for every other caller."""
+        if self.hparams.compile:
+            check_compile_supported(device_type)
+
     def setup(self, stage: str) -> None:
+        self.check_before_launch(self.trainer.strategy.root_device.type)
         # Known only once the trainer exists: the device and world size decide what "auto" means. A pipelined step
         # receives Lightning's dataloader_iter (Lightning reads the signature of training_step).
         if stage == "fit" and self._resolved_pipeline() != "none":
@@ -198,9 +214,14 @@ class DLRMModule(LightningModule):
 
     def on_train_start(self) -> None:
         self._train_loss = RunningMean()
+        if self.hparams.compile and not self._first_compiled_step.reported:
+            rank_zero_info("model.compile: the dense layers compile during the first training step (tens of seconds)")
+            self._first_compiled_step.start()
 
     def _log_training_step(self, loss: torch.Tensor, batch: CriteoBatch) -> None:
         """``train/loss``: the mean over the steps since the last written one (app/train/log_steps.py)."""
+        if (first_step_s := self._first_compiled_step.stop()) is not None:
+            rank_zero_info(f"model.compile: first training step, compilation included: {first_step_s:.1f} s")
         self._train_loss.add(loss)
         if not metrics_written_after_this_batch(self.trainer):
             return

@@ -1,0 +1,72 @@
+"""model.compile: which layers are compiled, what stays as it was, and the settings refused before launch.
+
+The compiled path's training runs (same losses as eager through the pipeline and the plain loop, and
+checkpoints across the two) are in tests/test_pipeline.py, beside the eager runs they compare with.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._inductor.config
+
+from app.model.compile import check_compile_supported, compile_dense_layers, compiled_layer_names
+from app.model.dlrm import build_dlrm
+from test_cli import test_bad_settings_stop_before_any_worker_with_one_line as refused_before_launch
+
+SMALL = dict(embedding_dim=8, num_embeddings_per_feature=[10] * 26, dense_arch_layer_sizes=[16, 8],
+             over_arch_layer_sizes=[16, 1], dcn_num_layers=2, dcn_low_rank_dim=4,
+             interaction_branch1_layer_sizes=[16, 8], interaction_branch2_layer_sizes=[16, 8])  # fmt: skip
+
+# Every TorchRec DLRM variant (and DLRMConcat) names its parts alike; DCNv2's cross layers and the
+# projection's branches are its inter_arch.
+DENSE_LAYERS = ["dense_arch", "inter_arch", "over_arch"]
+
+
+@pytest.mark.parametrize("interaction", ["dot", "cat", "dcn", "projection"])
+def test_every_dense_layer_is_compiled_and_the_tables_and_state_dict_keys_are_not_touched(interaction):
+    torch.manual_seed(0)
+    eager = build_dlrm(interaction=interaction, embedding_device="meta", **SMALL)
+    torch.manual_seed(0)
+    compiled = build_dlrm(interaction=interaction, embedding_device="meta", **SMALL)
+    assert compile_dense_layers(compiled) == DENSE_LAYERS
+    assert compiled_layer_names(compiled) == DENSE_LAYERS
+    assert compiled_layer_names(eager) == []
+    assert type(compiled.dense_arch) is type(eager.dense_arch)  # compiled in place, not wrapped
+    # The same keys and values: checkpoints move between compiled and eager runs.
+    eager_state, compiled_state = eager.state_dict(), compiled.state_dict()
+    assert list(compiled_state) == list(eager_state)
+    for key, value in eager_state.items():
+        if not value.is_meta:
+            assert torch.equal(compiled_state[key], value), key
+
+
+def test_without_a_cpp_compiler_compile_is_refused_naming_the_setting():
+    with torch._inductor.config.patch({"cpp.cxx": (None, "/no/such/g++")}):
+        with pytest.raises(ValueError, match="model.compile = true: Inductor compiles CPU code with a C.. compiler and found none"):
+            check_compile_supported("cpu")
+    check_compile_supported("cpu")  # g++ is here: accepted
+
+
+def test_on_gpus_without_triton_compile_is_refused_naming_the_setting():
+    from torch.utils._triton import has_triton
+
+    if has_triton():
+        pytest.skip("this torch imports Triton: nothing to refuse")
+    with pytest.raises(ValueError, match="model.compile = true: Inductor's GPU code needs Triton"):
+        check_compile_supported("cuda")
+
+
+def test_the_cli_refuses_compile_without_a_cpp_compiler_before_any_worker(sample_dir, capsys):
+    with torch._inductor.config.patch({"cpp.cxx": (None, "/no/such/g++")}):
+        refused_before_launch(["--model.compile", "true"], "model.compile = true: Inductor compiles CPU code", sample_dir, capsys)
+
+
+def test_the_suite_runs_eager_unless_a_test_asks_for_the_compiler():
+    # conftest.py: compiling every test's model would add minutes; tests/compiling.py turns it back on.
+    from compiling import compile_enabled
+
+    assert torch._dynamo.config.disable
+    with compile_enabled():
+        assert not torch._dynamo.config.disable
+    assert torch._dynamo.config.disable
