@@ -66,7 +66,8 @@ def test_every_preset_parses_and_can_run_here(preset):
         (["--model.sparse_optimizer", "adam"], "model.sparse_optimizer: Adam has no CPU embedding kernel"),
         (["--data.rows_per_table", str(10**12)], "data.rows_per_table = 1000000000000: the tables with their"),
         (["--data.ids_per_lookup", "[1, 2]"], "data.ids_per_lookup = [1, 2]: give one positive int, or one per table"),
-        (["--app_variants", '{"fast": {"no_such_setting": 1}}'], "app_variants.fast.no_such_setting is not a model setting"),
+        (["--app_variants", '{"fast": {"no_such_setting": 1}}'], "app_variants.fast.no_such_setting is neither a model setting"),
+        (["--app_variants", '{"fast": {"strategy": {"no_such": 1}}}'], "app_variants.fast.strategy.no_such is not a strategy setting"),
         (["--preset", "no_such_preset"], "--preset 'no_such_preset'"),
     ],
 )

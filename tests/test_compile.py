@@ -29,7 +29,7 @@ def test_every_dense_layer_is_compiled_and_the_tables_and_state_dict_keys_are_no
     eager = build_dlrm(interaction=interaction, embedding_device="meta", **SMALL)
     torch.manual_seed(0)
     compiled = build_dlrm(interaction=interaction, embedding_device="meta", **SMALL)
-    assert compile_dense_layers(compiled) == DENSE_LAYERS
+    assert compile_dense_layers(compiled, "cuda") == DENSE_LAYERS
     assert compiled_layer_names(compiled) == DENSE_LAYERS
     assert compiled_layer_names(eager) == []
     assert type(compiled.dense_arch) is type(eager.dense_arch)  # compiled in place, not wrapped
@@ -70,3 +70,37 @@ def test_the_suite_runs_eager_unless_a_test_asks_for_the_compiler():
     with compile_enabled():
         assert not torch._dynamo.config.disable
     assert torch._dynamo.config.disable
+
+
+def test_the_pairwise_dot_interaction_gives_torchrecs_outputs_and_gradients_in_its_order():
+    from torchrec.models.dlrm import InteractionArch
+
+    from app.model.compile import PairwiseDotInteraction
+
+    generator = torch.Generator().manual_seed(0)
+    dense = torch.randn(5, 8, generator=generator, dtype=torch.float64)
+    sparse = torch.randn(5, 4, 8, generator=generator, dtype=torch.float64)
+    outputs, gradients = [], []
+    for arch in (InteractionArch(num_sparse_features=4), PairwiseDotInteraction(num_sparse_features=4)):
+        inputs = (dense.clone().requires_grad_(), sparse.clone().requires_grad_())
+        out = arch(*inputs)
+        (out * torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
+        outputs.append(out)
+        gradients.append([t.grad for t in inputs])
+    assert outputs[0].shape == (5, 8 + 4 * 5 // 2)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-12, atol=1e-12)
+    for pairwise, torchrec in zip(gradients[1], gradients[0]):
+        torch.testing.assert_close(pairwise, torchrec, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(("interaction", "device_type", "pairwise"), [
+    ("dot", "cpu", True), ("dot", "cuda", False), ("cat", "cpu", False), ("dcn", "cpu", False), ("projection", "cpu", False),
+])  # fmt: skip
+def test_on_cpu_the_compiled_dot_interaction_takes_the_pairwise_form(interaction, device_type, pairwise):
+    from app.model.compile import PairwiseDotInteraction
+
+    model = build_dlrm(interaction=interaction, embedding_device="meta", **SMALL)
+    keys = list(model.state_dict())
+    compile_dense_layers(model, device_type)
+    assert isinstance(model.inter_arch, PairwiseDotInteraction) == pairwise
+    assert list(model.state_dict()) == keys

@@ -14,7 +14,7 @@ from lightning.pytorch import LightningDataModule, Trainer
 from app.bench.data import RandomDataModule, pins_batches
 from app.bench.dataset import open_dataset
 from app.bench.measure import StepClock, StepClockCallback
-from app.bench.settings import BenchSpec
+from app.bench.settings import BenchSpec, split_variant
 from app.bench.trained_batches import TrainedBatches, TrainedBatchesCallback
 from app.checkpoint.preemption import SaveOnSignal
 from app.distributed.strategy import TorchRecStrategy
@@ -27,12 +27,14 @@ def run_app(
     device: torch.device,
 ) -> dict[str, Any]:
     """Trains ``spec.total_steps`` steps, timed by ``clock``, each batch trained added to ``trained``;
-    returns the module and the plan for the report."""
-    module = DLRMModule(**{**spec.model_args(), **model_overrides})
+    returns the module and the plan for the report. ``model_overrides``: a variant's settings (model
+    settings, and strategy settings under its ``strategy`` key)."""
+    model_settings, strategy_settings = split_variant(model_overrides)
+    module = DLRMModule(**{**spec.model_args(), **model_settings})
     trainer = Trainer(
         accelerator=spec.run.accelerator,
         devices=spec.run.world_size,
-        strategy=TorchRecStrategy(**spec.strategy),
+        strategy=TorchRecStrategy(**{**spec.strategy, **strategy_settings}),
         max_steps=spec.total_steps,
         default_root_dir=spec.run.output_dir,  # the strategy writes the plan it used there
         max_epochs=-1,

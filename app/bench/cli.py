@@ -38,7 +38,7 @@ from app.bench.data import RandomData
 from app.bench.dataset import GROUP_DESCRIPTION, GROUP_TITLE, SKIPPED_SETTINGS, dataset_settings, read_dataset
 from app.bench.launch import run_on_ranks
 from app.bench.measure import growth_over_expected, step_statistics
-from app.bench.settings import BenchSpec, RunSettings, check_can_run, check_run_settings
+from app.bench.settings import BenchSpec, RunSettings, check_can_run, check_run_settings, split_variant
 from app.data.datamodule import CriteoDataModule
 from app.distributed.strategy import TorchRecStrategy
 from app.train.module import DLRMModule
@@ -63,8 +63,8 @@ def build_parser() -> ArgumentParser:
     parser.add_class_arguments(TorchRecStrategy, "strategy")
     parser.add_argument(
         "--app_variants", type=dict[str, dict[str, Any]], default={},
-        help="more runs of the app, by name, each with model settings of its own (e.g. model.pipeline); "
-        "each gets a ratio over the plain loop",
+        help="more runs of the app, by name, each with model settings of its own (e.g. model.pipeline, model.compile) "
+        "and strategy settings under 'strategy' (e.g. {strategy: {qcomms: ...}}); each gets a ratio over the plain loop",
     )  # fmt: skip
     return parser
 
@@ -152,6 +152,7 @@ def run_line(spec: BenchSpec, label: str, repeat: int, ranks: list[dict[str, Any
     measured = slice(spec.run.warmup_steps, spec.run.warmup_steps + spec.run.measured_steps)
     samples_per_step = [sum(rows) for rows in zip(*(rank["rows_per_step"][measured] for rank in ranks))]
     memory = [{"rank": r, **rank["memory"], "growth_over_expected": growth_over_expected(rank["memory"])} for r, rank in enumerate(ranks)]
+    model_overrides, strategy_overrides = split_variant(overrides)
     return {
         "bench": spec.name,
         "run": label,
@@ -170,7 +171,8 @@ def run_line(spec: BenchSpec, label: str, repeat: int, ranks: list[dict[str, Any
         "device": device_description(spec),
         "versions": library_versions(),
         "config": {
-            "run": vars(spec.run), **_data_config(spec), "model": {**spec.model, **overrides}, "strategy": spec.strategy,
+            "run": vars(spec.run), **_data_config(spec), "model": {**spec.model, **model_overrides},
+            "strategy": {**spec.strategy, **strategy_overrides},
         },
     }  # fmt: skip
 

@@ -16,6 +16,9 @@ from app.train.optimizers import fuse_sparse_optimizer
 
 Side = Literal["app", "raw", "raw_base"]
 
+# The key of an app variant that holds strategy settings (``trainer.strategy.init_args.*``); its other keys are model settings.
+STRATEGY_KEY = "strategy"
+
 # Optimizer state the fused embedding optimizers keep per table element (row-wise Adagrad: per row).
 _STATE_PER_ELEMENT = {"adagrad": 1.0, "adam": 2.0, "sgd": 0.0, "row_wise_adagrad": 0.0}
 
@@ -105,8 +108,21 @@ def check_can_run(spec: BenchSpec) -> None:
     _check_tables_fit(spec, rows, model["embedding_dim"], model["sparse_optimizer"])
     for label, overrides in spec.app_variants.items():
         for key in overrides:
-            if key not in spec.model:
-                raise ValueError(f"app_variants.{label}.{key} is not a model setting; model settings: {', '.join(spec.model)}")
+            if key not in spec.model and key != STRATEGY_KEY:
+                raise ValueError(
+                    f"app_variants.{label}.{key} is neither a model setting nor {STRATEGY_KEY!r}; model settings: {', '.join(spec.model)}"
+                )
+        for key in overrides.get(STRATEGY_KEY) or {}:
+            if key not in spec.strategy:
+                raise ValueError(
+                    f"app_variants.{label}.{STRATEGY_KEY}.{key} is not a strategy setting; strategy settings: {', '.join(spec.strategy)}"
+                )
+
+
+def split_variant(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A variant's (model settings, strategy settings): the strategy's under its ``strategy`` key."""
+    model = {key: value for key, value in overrides.items() if key != STRATEGY_KEY}
+    return model, dict(overrides.get(STRATEGY_KEY) or {})
 
 
 def check_run_settings(run: RunSettings) -> None:

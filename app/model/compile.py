@@ -13,15 +13,16 @@ Each dense child is compiled in place (``nn.Module.compile``), so that:
   sees each dense child as one leaf call (TorchRec's tracer makes every child without a sharded module
   a leaf) and never traces into the compiled code.
 
-What it gives (measured, docs/performance.md): on 2 CPU processes Inductor fuses each Linear's bias and
-ReLU and their backward into one loop and cuts allocations: the dense forward/backward of the
-torchrec_reference model takes about a quarter less time. On GPUs it also cuts kernel launches.
+What it gives (measured, docs/performance.md): on one CPU core, the dense forward/backward with the
+optimizer step of the torchrec_reference model (B=512) took 43.2 ms eager, 40.8 ms compiled and
+38.5 ms compiled with the pairwise dot interaction (medians of 10 alternating rounds): Inductor fuses
+each Linear's bias and ReLU and their backward and cuts allocations. On GPUs it also cuts kernel launches.
 
 Example::
 
     model = build_dlrm(...)
     check_compile_supported("cpu")       # before any worker starts
-    compile_dense_layers(model)          # ["dense_arch", "inter_arch", "over_arch"]
+    compile_dense_layers(model, "cpu")   # ["dense_arch", "inter_arch", "over_arch"]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 
 import torch
 from torch import nn
+from torchrec.models.dlrm import InteractionArch
 
 # The one child of TorchRec's DLRM variants that holds the embedding tables.
 SPARSE_CHILD = "sparse_arch"
@@ -42,14 +44,48 @@ def dense_layer_names(model: nn.Module) -> list[str]:
     return [name for name, _ in model.named_children() if name != SPARSE_CHILD]
 
 
-def compile_dense_layers(model: nn.Module) -> list[str]:
+class PairwiseDotInteraction(InteractionArch):
+    """TorchRec's dot interaction, the same outputs in the same order, computed as one product-and-sum per
+    pair of features instead of a batched matrix product.
+
+    TorchRec's ``InteractionArch`` computes every sample's whole (F+1) x (F+1) Gram matrix with ``bmm``
+    and keeps its upper triangle. On CPU, a batch of 27 x 64 matrices runs at a fraction of the core's
+    peak (MKL's batched GEMM on tiny matrices), and backward takes two more ``bmm``. Compiled, this form
+    becomes one loop that reads each sample's embeddings once and computes only the pairs kept (and a
+    fused loop for backward): measured 6.0 vs 9.4 ms forward+backward at B=512, F=26, D=64 on one core.
+    Eager it is slow (it materialises the pairs): it is used only where the dense layers are compiled
+    on CPU. No parameters and a non-persistent buffer: the state dict is TorchRec's.
+    """
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        if self.F <= 0:
+            return dense_features
+        combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)  # (B, F + 1, D)
+        first, second = self.triu_indices  # TorchRec's pair order: its top MLP's inputs stay in place
+        pairs = (combined[:, first, :] * combined[:, second, :]).sum(dim=-1)
+        return torch.cat((dense_features, pairs), dim=1)
+
+
+def use_pairwise_dot_interaction(model: nn.Module) -> bool:
+    """Replaces a TorchRec dot interaction (exactly that class) by ``PairwiseDotInteraction``; True if it did."""
+    if type(getattr(model, "inter_arch", None)) is not InteractionArch:
+        return False
+    model.inter_arch = PairwiseDotInteraction(num_sparse_features=model.inter_arch.F)
+    return True
+
+
+def compile_dense_layers(model: nn.Module, device_type: str) -> list[str]:
     """Compiles every dense child of ``model`` in place (compilation itself happens at its first call,
-    once per mode: training, and evaluation under no_grad); returns their names.
+    once per mode: training, and evaluation under no_grad); returns their names. On CPU the dot
+    interaction takes the pairwise form first (``PairwiseDotInteraction``); on GPUs it stays TorchRec's
+    (cuBLAS's batched GEMM; the pairwise form has not been measured on a GPU).
 
     ``dynamic=None`` is torch's default: the first batch size compiles static, a second one (the last
     batch of an epoch, an evaluation batch size) compiles once more with the batch dimension dynamic,
     and every later size reuses that.
     """
+    if device_type == "cpu":
+        use_pairwise_dot_interaction(model)
     names = dense_layer_names(model)
     for name in names:
         model.get_submodule(name).compile()

@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MetricCollection
 
 from app.data.batches import CriteoBatch
-from app.model.compile import FirstStepTimer, check_compile_supported, compile_dense_layers
+from app.model.compile import FirstStepTimer, check_compile_supported, compile_dense_layers, compiled_layer_names
 from app.model.dlrm import Interaction, build_dlrm
 from app.model.tables import expand_table_sizes
 from app.train.log_steps import RunningMean, metrics_written_after_this_batch
@@ -137,8 +137,6 @@ class DLRMModule(LightningModule):
             interaction_branch2_layer_sizes=interaction_branch2_layer_sizes,
             embedding_device="meta",
         )
-        if compile:
-            compile_dense_layers(self.model)  # compiles at the first forward; the keys stay the same
         self._first_compiled_step = FirstStepTimer()
         # Set before sharding: the sharder reads it to build the update into the embedding kernels.
         fuse_sparse_optimizer(self.model.sparse_arch.parameters(), sparse_optimizer, sparse_learning_rate)
@@ -156,7 +154,10 @@ class DLRMModule(LightningModule):
             check_compile_supported(device_type)
 
     def setup(self, stage: str) -> None:
-        self.check_before_launch(self.trainer.strategy.root_device.type)
+        device_type = self.trainer.strategy.root_device.type
+        self.check_before_launch(device_type)
+        if self.hparams.compile and not compiled_layer_names(self.model):
+            compile_dense_layers(self.model, device_type)  # compiles at the first forward; the keys stay the same
         # Known only once the trainer exists: the device and world size decide what "auto" means. A pipelined step
         # receives Lightning's dataloader_iter (Lightning reads the signature of training_step).
         if stage == "fit" and self._resolved_pipeline() != "none":
