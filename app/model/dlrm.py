@@ -31,9 +31,17 @@ from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, DEFAULT_INT_NAMES
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, OverArch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.types import DataType
 
 Interaction = Literal["dot", "cat", "dcn", "projection"]
 INTERACTIONS: tuple[str, ...] = get_args(Interaction)
+
+# The tables' weights precision: TorchRec gives FBGEMM's TBE the table's data_type as weights_precision
+# (torchrec/distributed/batched_embedding_kernel.py, BatchedFusedEmbeddingBag); the pooled output and
+# the optimizer state stay float32.
+EmbeddingPrecision = Literal["fp32", "fp16"]
+EMBEDDING_PRECISIONS: tuple[str, ...] = get_args(EmbeddingPrecision)
+_DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
 
 NUM_DENSE_FEATURES = len(DEFAULT_INT_NAMES)
 
@@ -118,16 +126,39 @@ def compute_logit_in_float32(model: DLRM) -> DLRM:
     return model
 
 
+def check_embedding_precision(precision: str, device_type: str) -> None:
+    """Raises a ValueError naming ``model.embedding_precision`` for a precision unknown or unfit for ``device_type``.
+
+    FBGEMM's CPU training kernels run fp16 tables but round every update to the nearest fp16 value:
+    they take no ``stochastic_rounding`` (its GPU kernels' default), so an update smaller than half
+    the fp16 spacing of the weight is lost (100 SGD steps of 1e-4 leave a weight of 1.0 at 1.0, with
+    fbgemm_gpu 1.8.0), and row-wise Adagrad leaves its vectorised fp32 path for a scalar loop.
+    """
+    if precision not in EMBEDDING_PRECISIONS:
+        raise ValueError(f"model.embedding_precision = {precision!r} is not one of {', '.join(EMBEDDING_PRECISIONS)}")
+    if precision == "fp16" and device_type == "cpu":
+        raise ValueError(
+            "model.embedding_precision = fp16: FBGEMM's CPU embedding kernels round fp16 updates to nearest "
+            "(no stochastic rounding), so small updates are lost; fp16 tables are for GPUs: use fp32 on CPU"
+        )
+
+
 def build_embedding_bag_collection(
     embedding_dim: int,
     num_embeddings_per_feature: Sequence[int],
     device: torch.device | str = "meta",
+    embedding_precision: EmbeddingPrecision = "fp32",
 ) -> EmbeddingBagCollection:
-    """One sum-pooled table per Criteo categorical feature (the first n features for n sizes), on ``device``.
+    """One sum-pooled table per Criteo categorical feature (the first n features for n sizes), on ``device``,
+    its weights in ``embedding_precision`` (fp16: half the memory and lookup bytes, see ``check_embedding_precision``).
 
     The default "meta" allocates nothing: the strategy's DistributedModelParallel materialises each
     table only on the rank(s) that own its shards.
     """
+    if embedding_precision not in EMBEDDING_PRECISIONS:
+        raise ValueError(
+            f"model.embedding_precision = {embedding_precision!r} is not one of {', '.join(EMBEDDING_PRECISIONS)}"
+        )
     if not 1 <= len(num_embeddings_per_feature) <= len(DEFAULT_CAT_NAMES):
         raise ValueError(
             f"num_embeddings_per_feature has {len(num_embeddings_per_feature)} sizes; "
@@ -139,6 +170,7 @@ def build_embedding_bag_collection(
             embedding_dim=embedding_dim,
             num_embeddings=num_embeddings,
             feature_names=[feature],
+            data_type=_DATA_TYPES[embedding_precision],
         )
         for feature, num_embeddings in zip(DEFAULT_CAT_NAMES, num_embeddings_per_feature)
     ]
@@ -163,8 +195,10 @@ def build_dlrm(
     interaction_branch1_layer_sizes: Sequence[int] = (2048, 2048),
     interaction_branch2_layer_sizes: Sequence[int] = (2048, 2048),
     embedding_device: torch.device | str = "meta",
+    embedding_precision: EmbeddingPrecision = "fp32",
 ) -> DLRM:
-    """Builds a DLRM with the chosen interaction; the embedding tables are left on ``embedding_device``.
+    """Builds a DLRM with the chosen interaction; the embedding tables, in ``embedding_precision``, are left
+    on ``embedding_device``.
 
     Raises:
         ValueError: naming the setting, for an unknown interaction or inconsistent layer sizes.
@@ -172,7 +206,7 @@ def build_dlrm(
     validate_dlrm_sizes(interaction, embedding_dim, dense_arch_layer_sizes, over_arch_layer_sizes)
     common = dict(
         embedding_bag_collection=build_embedding_bag_collection(
-            embedding_dim, num_embeddings_per_feature, embedding_device
+            embedding_dim, num_embeddings_per_feature, embedding_device, embedding_precision
         ),
         dense_in_features=NUM_DENSE_FEATURES,
         dense_arch_layer_sizes=list(dense_arch_layer_sizes),
