@@ -16,7 +16,7 @@ help:
 	@echo "make test-gpu - the GPU checks (tests/gpu, about 10 min on one GPU; each skips with its reason without one); report in runs/gpu-report.json"
 	@echo "make sample - only generate the bundled Criteo-format sample in data/sample/"
 	@echo "make lint   - lint the Dockerfile with hadolint"
-	@echo "make bench  - the app against a plain TorchRec loop, side by side (JSON lines; BENCH_ARGS=\"--preset NAME ...\")"
+	@echo "make bench  - the app and each speed lever against a plain TorchRec loop, side by side, then the demo's AUC with and without each lever (JSON lines; BENCH_ARGS=\"--preset NAME ...\", BENCH_QUALITY=0)"
 	@echo "make bench-data - data-path figures: raw->NumPy vs pandas, batches vs training, first vs cached fit, memory at 1M vs 10M rows (minutes)"
 
 setup: $(STAMP)
@@ -68,9 +68,14 @@ lint: setup
 	$(VENV)/bin/hadolint Dockerfile
 
 # Extra arguments for python -m app.bench, e.g. BENCH_ARGS="--preset gaudi_medium --run.measured_steps 5".
+# Then the quality guard (python -m app.bench.quality_guard): the demo's AUC with and without each lever;
+# BENCH_QUALITY=0 skips it, QUALITY_ARGS passes it arguments.
 BENCH_ARGS ?=
+BENCH_QUALITY ?= 1
+QUALITY_ARGS ?=
 bench: setup
 	$(PY) -m app.bench $(BENCH_ARGS)
+	@if [ "$(BENCH_QUALITY)" = 1 ]; then $(MAKE) --no-print-directory sample PY=$(PY) && $(PY) -m app.bench.quality_guard $(QUALITY_ARGS); fi
 
 bench-data: setup
 	$(PY) data/bench_data.py
