@@ -11,7 +11,7 @@ from torchmetrics import MetricCollection
 
 from app.data.batches import CriteoBatch
 from app.model.compile import FirstStepTimer, check_compile_supported, compile_dense_layers, compiled_layer_names
-from app.model.dlrm import Interaction, build_dlrm
+from app.model.dlrm import EmbeddingPrecision, Interaction, build_dlrm, check_embedding_precision
 from app.model.tables import expand_table_sizes
 from app.train.log_steps import RunningMean, metrics_written_after_this_batch
 from app.train.lr_schedule import LRSchedule, lr_scheduler_config, step_lr_schedulers
@@ -86,6 +86,9 @@ class DLRMModule(LightningModule):
             the embedding part stays eager (app/model/compile.py). The first training step and the
             first evaluation batch wait for the compiler (tens of seconds, printed once); later steps are
             faster (measured in docs/performance.md). Checkpoints move between compiled and eager runs.
+        embedding_precision: ``fp32`` or ``fp16`` weights of the embedding tables in FBGEMM's kernels
+            (fp16: half the memory and half the lookup bytes, with stochastic rounding of the updates;
+            GPUs only: FBGEMM's CPU kernels round fp16 updates to nearest, refused on CPU).
     """
 
     def __init__(
@@ -112,7 +115,8 @@ class DLRMModule(LightningModule):
         lr_decay_steps: int = 0,
         lr_decay_power: float = 2.0,
         lr_decay_end_factor: float = 0.0,
-        compile: bool = True,
+        compile: bool = False,
+        embedding_precision: EmbeddingPrecision = "fp32",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -136,6 +140,7 @@ class DLRMModule(LightningModule):
             interaction_branch1_layer_sizes=interaction_branch1_layer_sizes,
             interaction_branch2_layer_sizes=interaction_branch2_layer_sizes,
             embedding_device="meta",
+            embedding_precision=embedding_precision,
         )
         self._first_compiled_step = FirstStepTimer()
         # Set before sharding: the sharder reads it to build the update into the embedding kernels.
@@ -150,6 +155,7 @@ class DLRMModule(LightningModule):
     def check_before_launch(self, device_type: str) -> None:
         """The module's settings that this machine cannot run, refused naming the setting: the CLI calls
         it before any worker starts, ``setup`` again for every other caller."""
+        check_embedding_precision(self.hparams.embedding_precision, device_type)
         if self.hparams.compile:
             check_compile_supported(device_type)
 
