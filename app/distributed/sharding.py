@@ -12,12 +12,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner
-from torchrec.distributed.planner.constants import BATCH_SIZE
+from torchrec.distributed.planner.constants import BATCH_SIZE, UVM_CACHING_RATIO
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.perf_models import NoopPerfModel, NoopStorageModel
 from torchrec.distributed.planner.stats import EmbeddingStats
@@ -29,7 +31,7 @@ from torchrec.distributed.planner.types import (
     Stats,
     Topology,
 )
-from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingType
+from torchrec.distributed.types import CacheParams, ModuleSharder, ShardingPlan, ShardingType
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
@@ -45,6 +47,9 @@ from app.distributed.hbm_budget import (
 from app.distributed.topology import DeviceTopology
 
 SHARDING_TYPES: tuple[str, ...] = tuple(t.value for t in ShardingType)
+COMPUTE_KERNELS: tuple[str, ...] = tuple(k.value for k in EmbeddingComputeKernel)
+# The kernel that keeps a table in host memory behind an HBM cache of cache_load_factor x its rows.
+UVM_CACHING_KERNEL = EmbeddingComputeKernel.FUSED_UVM_CACHING.value
 
 
 @dataclass
@@ -55,11 +60,15 @@ class TableConstraint:
         sharding_types: allowed sharding types, e.g. ``[table_wise, column_wise]``.
         compute_kernels: allowed TorchRec compute kernels, e.g. ``[fused]``.
         min_partition: smallest column-wise shard width (columns).
+        cache_load_factor: for the ``fused_uvm_caching`` kernel (GPUs), the share of the table's rows its
+            HBM cache holds, in (0, 1] (TorchRec's ``CacheParams.load_factor``; default 0.2, FBGEMM's and
+            the planner's).
     """
 
     sharding_types: list[str] | None = None
     compute_kernels: list[str] | None = None
     min_partition: int | None = None
+    cache_load_factor: float | None = None
 
 
 def default_sharders() -> list[ModuleSharder[nn.Module]]:
@@ -70,6 +79,14 @@ def default_sharders() -> list[ModuleSharder[nn.Module]]:
 def supported_sharding_types(device_type: str) -> list[str]:
     """Sharding types TorchRec implements for embedding bags on ``device_type`` ("cpu" or "cuda")."""
     return list(EmbeddingBagCollectionSharder().sharding_types(device_type))
+
+
+def supported_compute_kernels(device_type: str) -> list[str]:
+    """Compute kernels TorchRec's sharder offers for embedding bags on ``device_type``, over all sharding types
+    (on CPU ``fused`` and ``dense``; GPUs add the UVM and key-value kernels)."""
+    sharder = EmbeddingBagCollectionSharder()
+    kernels = [k for t in sharder.sharding_types(device_type) for k in sharder.compute_kernels(t, device_type)]
+    return list(dict.fromkeys(kernels))
 
 
 def validate_sharding_request(
@@ -100,12 +117,45 @@ def validate_sharding_request(
                     f"{setting}: {sharding_type!r} is not available on {device_type} "
                     f"(TorchRec supports {', '.join(supported)} there)"
                 )
+    for name, constraint in table_constraints.items():
+        validate_table_kernels(f"strategy.table_constraints.{name}", constraint, device_type)
     if table_names is not None:
         unknown = sorted(set(table_constraints) - set(table_names))
         if unknown:
             raise ValueError(
                 f"strategy.table_constraints names unknown tables {unknown}; tables are {sorted(table_names)}"
             )
+
+
+def validate_table_kernels(setting: str, constraint: TableConstraint, device_type: str) -> None:
+    """Raises a ValueError naming ``setting`` for a compute kernel unknown or absent on ``device_type``, or a
+    ``cache_load_factor`` out of (0, 1] or for a table that cannot get the UVM caching kernel."""
+    supported = supported_compute_kernels(device_type)
+    for kernel in constraint.compute_kernels or []:
+        if kernel not in COMPUTE_KERNELS:
+            raise ValueError(f"{setting}.compute_kernels: unknown kernel {kernel!r}; known: {', '.join(COMPUTE_KERNELS)}")
+        if kernel not in supported:
+            raise ValueError(
+                f"{setting}.compute_kernels: {kernel!r} is not available on {device_type} (TorchRec offers "
+                f"{', '.join(supported)} there); tables in host memory (fused_uvm, fused_uvm_caching) need GPUs"
+            )
+    factor = constraint.cache_load_factor
+    if factor is None:
+        return
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ValueError(
+            f"{setting}.cache_load_factor = {factor!r}: expected the share of the table's rows cached in HBM, in (0, 1]"
+        )
+    if UVM_CACHING_KERNEL not in supported:
+        raise ValueError(
+            f"{setting}.cache_load_factor = {factor}: the UVM caching kernel (fused_uvm_caching) it sizes is not "
+            f"available on {device_type}; remove the setting or train on GPUs"
+        )
+    if constraint.compute_kernels is not None and UVM_CACHING_KERNEL not in constraint.compute_kernels:
+        raise ValueError(
+            f"{setting}.cache_load_factor = {factor}: applies to the fused_uvm_caching kernel only, which "
+            f"{setting}.compute_kernels = {constraint.compute_kernels} leaves out"
+        )
 
 
 # Optimizers FBGEMM's CPU embedding kernels implement (its GPU kernels add Adam, LAMB and others).
@@ -137,12 +187,14 @@ def build_constraints(
     for name in table_names:
         own = table_constraints.get(name, TableConstraint())
         allowed = own.sharding_types or sharding_types
-        if allowed is None and own.compute_kernels is None and own.min_partition is None:
+        cached = own.cache_load_factor is not None
+        if allowed is None and own.compute_kernels is None and own.min_partition is None and not cached:
             continue
         constraints[name] = ParameterConstraints(
             sharding_types=list(allowed) if allowed else None,
             compute_kernels=own.compute_kernels,
             min_partition=own.min_partition,
+            cache_params=CacheParams(load_factor=float(own.cache_load_factor)) if cached else None,
         )
     return constraints
 
@@ -160,6 +212,7 @@ def embedding_table_names(module: nn.Module) -> list[str]:
 
 
 PLANNER_OBJECTIVES = ("performance", "memory")
+_PRECISIONS = {torch.float32: "fp32", torch.float16: "fp16"}
 
 
 @dataclass
@@ -179,6 +232,8 @@ class ShardEstimate:
     bwd_compute_ms: float
     bwd_comms_ms: float
     total_ms: float  # as TorchRec's performance model counts it (with prefetch and input distribution)
+    precision: str = "fp32"  # of the table's weights: fp32 or fp16 (model.embedding_precision)
+    cache_load_factor: float | None = None  # the HBM cache's share of the rows, for fused_uvm_caching only
 
 
 @dataclass
@@ -258,6 +313,12 @@ def plan_on_this_process(
 
 
 def _estimates(option: ShardingOption) -> list[ShardEstimate]:
+    # The planner sizes a cache it is given no load factor for at UVM_CACHING_RATIO, as FBGEMM's TBE
+    # does by default (cache_load_factor=0.2), so that is the figure the estimates stand for.
+    cache_load_factor = None
+    if option.compute_kernel == UVM_CACHING_KERNEL:
+        cache_load_factor = option.cache_load_factor or UVM_CACHING_RATIO
+    precision = _PRECISIONS.get(option.tensor.dtype, str(option.tensor.dtype).removeprefix("torch."))
     estimates = []
     for shard in option.shards:
         storage, perf = shard.storage, shard.perf
@@ -276,6 +337,8 @@ def _estimates(option: ShardingOption) -> list[ShardEstimate]:
                 bwd_compute_ms=float(perf.bwd_compute) if perf else 0.0,
                 bwd_comms_ms=float(perf.bwd_comms) if perf else 0.0,
                 total_ms=float(perf.total) if perf else 0.0,
+                precision=precision,
+                cache_load_factor=cache_load_factor,
             )
         )
     return estimates
@@ -361,7 +424,7 @@ def explain_shortfall(
 
 
 def _by_gap(item: tuple[str, int]) -> tuple[int, list[int | str]]:
-    return (-item[1], _natural_key(item[0]))
+    return (-item[1], natural_key(item[0]))
 
 
 def plan_sharding(
@@ -429,22 +492,28 @@ def host_memory_warning(planned: PlannedSharding) -> str | None:
     tables = host_memory_tables(planned.plan)
     if not tables:
         return None
+    details: dict[str, list[str]] = {name: [kernel] for name, kernel in tables.items()}
     host_bytes: dict[str, int] = {}
     for estimate in planned.estimates:
         host_bytes[estimate.table] = host_bytes.get(estimate.table, 0) + estimate.ddr_bytes
+        if estimate.cache_load_factor is not None and len(details.get(estimate.table, [])) == 1:
+            details[estimate.table].append(f"an HBM cache of {estimate.cache_load_factor:g} of its rows")
+    for name, num_bytes in host_bytes.items():
+        if name in details:
+            details[name].append(f"{format_bytes(num_bytes)} of host memory")
     listed = ", ".join(
-        f"{name} ({kernel}{', ' + format_bytes(host_bytes[name]) + ' of host memory' if name in host_bytes else ''})"
-        for name, kernel in sorted(tables.items(), key=lambda item: _natural_key(item[0]))
+        f"{name} ({', '.join(details[name])})" for name in sorted(tables, key=natural_key)
     )
     return (
         f"sharding plan: {len(tables)} table(s) live in host memory, read by the GPU over PCIe through UVM: {listed}. "
         "They train much slower than tables in HBM. To keep every table in HBM use more GPUs, smaller tables, "
-        "strategy.planner_objective = performance, or strategy.table_constraints.<table>.compute_kernels: [fused] "
-        "(then a table that does not fit is refused with its shortfall)"
+        "model.embedding_precision = fp16 (half the bytes per row), strategy.planner_objective = performance, "
+        "or strategy.table_constraints.<table>.compute_kernels: [fused] (then a table that does not fit is "
+        "refused with its shortfall)"
     )
 
 
-def _natural_key(name: str) -> list[int | str]:
+def natural_key(name: str) -> list[int | str]:
     """Sorts t_cat_2 before t_cat_10."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
@@ -453,7 +522,7 @@ def format_plan(plan: ShardingPlan) -> str:
     """The plan as an aligned text table: one row per table, with its sharding type, kernel and shards."""
     rows = [("table", "sharding", "kernel", "ranks", "shard sizes (rows x cols)")]
     for _, module_plan in sorted(plan.plan.items()):
-        for param_name, sharding in sorted(module_plan.items(), key=lambda item: _natural_key(item[0])):  # type: ignore[union-attr]
+        for param_name, sharding in sorted(module_plan.items(), key=lambda item: natural_key(item[0])):  # type: ignore[union-attr]
             shards = sharding.sharding_spec.shards if sharding.sharding_spec is not None else []
             sizes = " ".join("x".join(str(s) for s in shard.shard_sizes) for shard in shards) or "replicated"
             ranks = ",".join(str(r) for r in sharding.ranks) if sharding.ranks else "all"
