@@ -7,7 +7,8 @@ shard and milliseconds per step (forward and backward compute and communication)
 the way its performance model rates a plan (the slowest rank sets the step time). Also: the memory
 the planner left to the tables per device and what it kept back for the rest (``memory_budget``),
 the HBM figure it planned for and where it came from (with topology ``auto``: the least free on any
-rank), and the tables a UVM kernel keeps in host memory (``host_memory_tables``).
+rank), the tables a UVM kernel keeps in host memory (``host_memory_tables``), and per table
+(``tables``) its kernel, weights precision, UVM cache load factor and estimated HBM and host memory.
 """
 
 from __future__ import annotations
@@ -17,10 +18,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+from torchrec.distributed.planner.constants import UVM_CACHING_RATIO
 from torchrec.distributed.types import ShardingPlan
 
 from app.checkpoint.plan_json import plan_from_json, plan_to_json
-from app.distributed.sharding import PlannedSharding, format_plan, host_memory_tables, host_memory_warning
+from app.distributed.sharding import (
+    UVM_CACHING_KERNEL,
+    PlannedSharding,
+    format_plan,
+    host_memory_tables,
+    host_memory_warning,
+    natural_key,
+)
 from app.distributed.topology import DeviceTopology
 
 REPORT_JSON = "sharding_plan.json"
@@ -62,9 +71,40 @@ def plan_report(
         "memory_budget": dataclasses.asdict(planned.memory_budget) if planned.memory_budget else None,
         "host_memory_tables": host_memory_tables(planned.plan),
         "host_memory_warning": host_memory_warning(planned),
+        "tables": table_summaries(planned),
         "ranks": ranks,
         "plan": plan_to_json(planned.plan),
     }
+
+
+def table_summaries(planned: PlannedSharding) -> list[dict[str, Any]]:
+    """Per table, in natural order: its sharding type and kernel, its weights precision (None for a plan the
+    planner did not make here), the HBM cache's load factor (UVM caching only; the planner's and FBGEMM's
+    0.2 when not set) and the planner's HBM and host memory estimate over all its shards."""
+    estimates: dict[str, list] = {}
+    for estimate in planned.estimates:
+        estimates.setdefault(estimate.table, []).append(estimate)
+    summaries = []
+    for module_plan in planned.plan.plan.values():
+        for name, sharding in module_plan.items():  # type: ignore[union-attr]
+            shards = estimates.get(name, [])
+            cache = getattr(sharding, "cache_params", None)
+            load_factor = shards[0].cache_load_factor if shards else None
+            if not shards and sharding.compute_kernel == UVM_CACHING_KERNEL:
+                load_factor = cache.load_factor if cache and cache.load_factor else UVM_CACHING_RATIO
+            summaries.append(
+                {
+                    "table": name,
+                    "sharding_type": sharding.sharding_type,
+                    "compute_kernel": sharding.compute_kernel,
+                    "precision": shards[0].precision if shards else None,
+                    "cache_load_factor": load_factor,
+                    "hbm_bytes": sum(e.hbm_bytes for e in shards),
+                    "ddr_bytes": sum(e.ddr_bytes for e in shards),
+                    "in_host_memory": "uvm" in sharding.compute_kernel,
+                }
+            )
+    return sorted(summaries, key=lambda summary: natural_key(summary["table"]))
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -85,6 +125,7 @@ def format_report(report: dict[str, Any]) -> str:
     ]
     if report.get("host_memory_warning"):
         lines += [f"WARNING: {report['host_memory_warning']}", ""]
+    lines += _table_lines(report.get("tables") or [], report["has_estimates"])
     if not report["has_estimates"]:
         lines.append("No planner estimates: this plan was not made by the planner in this run.")
         return "\n".join(lines) + "\n"
@@ -99,10 +140,30 @@ def format_report(report: dict[str, Any]) -> str:
             offset = ",".join(str(o) for o in shard["offsets"])
             lines.append(
                 f"  {shard['table']:<12} {shard['sharding_type']:<17} {shard['compute_kernel']:<17} "
+                f"{shard.get('precision', 'fp32'):<4} "
                 f"{size:>14} @ {offset:<10} HBM {_gib(shard['hbm_bytes'])}  host {_gib(shard['ddr_bytes'])}  "
                 f"{shard['total_ms']:.4f} ms"
             )
     return "\n".join(lines) + "\n"
+
+
+def _table_lines(tables: list[dict[str, Any]], has_estimates: bool) -> list[str]:
+    """Per table: kernel, precision, cache load factor and (planned here) the estimated HBM and host memory."""
+    if not tables:
+        return []
+    header = ("table", "kernel", "precision", "cache load factor", "HBM", "host memory")
+    rows = [header] + [
+        (
+            t["table"], t["compute_kernel"], t["precision"] or "-",
+            "-" if t["cache_load_factor"] is None else f"{t['cache_load_factor']:g}",
+            _gib(t["hbm_bytes"]) if has_estimates else "-",
+            (_gib(t["ddr_bytes"]) + (" (spilled)" if t["in_host_memory"] else "")) if has_estimates else "-",
+        )  # fmt: skip
+        for t in tables
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
+    return ["Tables (the planner's estimates, all shards):", *lines, ""]
 
 
 def _budget_lines(budget: dict[str, Any] | None) -> list[str]:
