@@ -4,18 +4,19 @@ A checkpoint records the plan it was written under; pickling the plan would make
 checkpoint run whatever code the pickle names, so it is stored as JSON instead. TorchRec offers no
 serialisation of its own (its plans are dataclasses holding ShardingSpecs and enums), hence this.
 
-The plans this app makes (embedding bag tables, fused kernels) carry no cache or key-value
-parameters; a plan that does is refused with a message rather than written incompletely.
+The plans this app makes (embedding bag tables, fused kernels) carry no key-value parameters, and
+cache parameters only as ``strategy.table_constraints.<table>.cache_load_factor`` sets them; a plan
+with anything else there is refused with a message rather than written incompletely.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, CacheAlgorithm
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
-from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
+from torchrec.distributed.types import CacheParams, EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
 from torchrec.types import DataType
 
 FORMAT_VERSION = 1
@@ -44,9 +45,8 @@ def plan_from_json(data: dict[str, Any]) -> ShardingPlan:
 
 
 def _parameter_to_json(where: str, sharding: ParameterSharding) -> dict[str, Any]:
-    for unsupported in ("cache_params", "key_value_params"):
-        if getattr(sharding, unsupported, None) is not None:
-            raise ValueError(f"sharding plan of {where}: {unsupported} cannot be stored in a checkpoint yet")
+    if getattr(sharding, "key_value_params", None) is not None:
+        raise ValueError(f"sharding plan of {where}: key_value_params cannot be stored in a checkpoint yet")
     spec = sharding.sharding_spec
     if spec is not None and not isinstance(spec, EnumerableShardingSpec):
         raise ValueError(f"sharding plan of {where}: {type(spec).__name__} cannot be stored as JSON")
@@ -61,7 +61,33 @@ def _parameter_to_json(where: str, sharding: ParameterSharding) -> dict[str, Any
         "stochastic_rounding": getattr(sharding, "stochastic_rounding", None),
         "bounds_check_mode": None if bounds is None else bounds.name,
         "output_dtype": None if output_dtype is None else output_dtype.name,
+        "cache_params": _cache_params_to_json(where, getattr(sharding, "cache_params", None)),
     }
+
+
+def _cache_params_to_json(where: str, cache: CacheParams | None) -> dict[str, Any] | None:
+    if cache is None:
+        return None
+    for unsupported in ("stats", "multipass_prefetch_config"):
+        if getattr(cache, unsupported) is not None:
+            raise ValueError(f"sharding plan of {where}: cache_params.{unsupported} cannot be stored in a checkpoint yet")
+    return {
+        "algorithm": None if cache.algorithm is None else cache.algorithm.name,
+        "load_factor": cache.load_factor,
+        "reserved_memory": cache.reserved_memory,
+        "precision": None if cache.precision is None else cache.precision.name,
+        "prefetch_pipeline": cache.prefetch_pipeline,
+    }
+
+
+def _cache_params_from_json(data: dict[str, Any]) -> CacheParams:
+    return CacheParams(
+        algorithm=None if data["algorithm"] is None else CacheAlgorithm[data["algorithm"]],
+        load_factor=data["load_factor"],
+        reserved_memory=data["reserved_memory"],
+        precision=None if data["precision"] is None else DataType[data["precision"]],
+        prefetch_pipeline=data["prefetch_pipeline"],
+    )
 
 
 def _parameter_from_json(data: dict[str, Any]) -> ParameterSharding:
@@ -73,6 +99,8 @@ def _parameter_from_json(data: dict[str, Any]) -> ParameterSharding:
         optional["bounds_check_mode"] = BoundsCheckMode[data["bounds_check_mode"]]
     if data.get("output_dtype") is not None:
         optional["output_dtype"] = DataType[data["output_dtype"]]
+    if data.get("cache_params") is not None:  # absent from plans written before it was stored
+        optional["cache_params"] = _cache_params_from_json(data["cache_params"])
     shards = data["shards"]
     return ParameterSharding(
         sharding_type=data["sharding_type"],
