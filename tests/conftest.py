@@ -5,14 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# The tests run the dense layers eager (model.compile's default is true): compiling every test's model
-# would add minutes to the suite. Torch's own switch, inherited by the spawned workers; the tests of
-# the compiled path turn it back on (tests/compiling.py).
-os.environ["TORCH_COMPILE_DISABLE"] = "1"
+import pytest
 
-import pytest  # noqa: E402
-
-from app.data.synthetic import write_synthetic_criteo  # noqa: E402
+from app.data.synthetic import write_synthetic_criteo
 
 SHARED_CRITEO = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
 

@@ -62,16 +62,6 @@ def test_the_cli_refuses_compile_without_a_cpp_compiler_before_any_worker(sample
         refused_before_launch(["--model.compile", "true"], "model.compile = true: Inductor compiles CPU code", sample_dir, capsys)
 
 
-def test_the_suite_runs_eager_unless_a_test_asks_for_the_compiler():
-    # conftest.py: compiling every test's model would add minutes; tests/compiling.py turns it back on.
-    from compiling import compile_enabled
-
-    assert torch._dynamo.config.disable
-    with compile_enabled():
-        assert not torch._dynamo.config.disable
-    assert torch._dynamo.config.disable
-
-
 def test_the_pairwise_dot_interaction_gives_torchrecs_outputs_and_gradients_in_its_order():
     from torchrec.models.dlrm import InteractionArch
 

@@ -229,15 +229,12 @@ def assert_same_steps_to_tolerance(steps: list, expected: list) -> None:
 @pytest.fixture(scope="module")
 def compiled_sparse_dist(sample, tmp_path_factory) -> dict:
     """The sparse_dist run of the fixture above with model.compile on, checkpointing at step 9."""
-    from compiling import compile_enabled
-
     root = tmp_path_factory.mktemp("compiled_sparse_dist")
     args = pipeline_args(sample, root, "sparse_dist", "--model.compile", "true")
     args[args.index("--trainer.enable_checkpointing") + 1] = "true"
     args += ["--checkpoint.filename", "{step}", "--checkpoint.every_n_train_steps", "9", "--checkpoint.save_top_k", "-1",
              "--checkpoint.monitor", "null", "--checkpoint.save_last", "false"]  # fmt: skip
-    with compile_enabled():
-        ranks = run_on_ranks(2, args, root, compiled_probe)
+    ranks = run_on_ranks(2, args, root, compiled_probe)
     return {"ranks": ranks, "args": args, "checkpoints": root / "checkpoints"}
 
 
@@ -265,15 +262,12 @@ def test_a_compiled_run_checkpoint_resumes_eager(compiled_sparse_dist, tmp_path)
 
 
 def test_an_eager_checkpoint_resumes_compiled_in_the_plain_loop(sparse_dist, tmp_path):
-    from compiling import compile_enabled
-
     args = list(sparse_dist["args"])
     args[args.index("--model.pipeline") + 1] = "none"
     for setting in ("--trainer.default_root_dir", "--trainer.logger.init_args.save_dir"):
         args[args.index(setting) + 1] = str(tmp_path)
-    with compile_enabled():
-        resumed = run_on_ranks(2, args + ["--model.compile", "true", "--ckpt_path", str(sparse_dist["checkpoints"] / "step=9.ckpt")],
-                               tmp_path, compiled_probe)  # fmt: skip
+    resumed = run_on_ranks(2, args + ["--model.compile", "true", "--ckpt_path", str(sparse_dist["checkpoints"] / "step=9.ckpt")],
+                           tmp_path, compiled_probe)  # fmt: skip
     for rank in range(2):
         assert resumed[rank]["compiled"] == ["dense_arch", "inter_arch", "over_arch"] and resumed[rank]["graphs"] > 0
         assert_same_steps_to_tolerance(resumed[rank]["steps"], sparse_dist["ranks"][rank]["steps"][9:])

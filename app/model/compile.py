@@ -13,10 +13,12 @@ Each dense child is compiled in place (``nn.Module.compile``), so that:
   sees each dense child as one leaf call (TorchRec's tracer makes every child without a sharded module
   a leaf) and never traces into the compiled code.
 
-What it gives (measured, docs/performance.md): on one CPU core, the dense forward/backward with the
-optimizer step of the torchrec_reference model (B=512) took 43.2 ms eager, 40.8 ms compiled and
+What it gives (measured, docs/performance.md): alone on one CPU core, the dense forward/backward with
+the optimizer step of the torchrec_reference model (B=512) took 43.2 ms eager, 40.8 ms compiled and
 38.5 ms compiled with the pairwise dot interaction (medians of 10 alternating rounds): Inductor fuses
-each Linear's bias and ReLU and their backward and cuts allocations. On GPUs it also cuts kernel launches.
+each Linear's bias and ReLU and their backward and cuts allocations. Inside DDP and the 2-process
+benchmark that gain did not show (``model.compile`` is off by default). On GPUs it also cuts kernel
+launches; not measured there.
 
 Example::
 

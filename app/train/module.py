@@ -84,8 +84,9 @@ class DLRMModule(LightningModule):
             and is logged as ``train/lr`` (dense) and ``train/lr_embedding``.
         compile: compile the dense layers (bottom MLP, interaction, top MLP) with ``torch.compile``;
             the embedding part stays eager (app/model/compile.py). The first training step and the
-            first evaluation batch wait for the compiler (tens of seconds, printed once); later steps are
-            faster (measured in docs/performance.md). Checkpoints move between compiled and eager runs.
+            first evaluation batch wait for the compiler (~10 s here, printed once). Off by default: on
+            2 CPU processes it measured no faster than eager (docs/performance.md), and it has not been
+            measured on a GPU. Checkpoints move between compiled and eager runs.
         embedding_precision: ``fp32`` or ``fp16`` weights of the embedding tables in FBGEMM's kernels
             (fp16: half the memory and half the lookup bytes, with stochastic rounding of the updates;
             GPUs only: FBGEMM's CPU kernels round fp16 updates to nearest, refused on CPU).
