@@ -271,3 +271,39 @@ def test_an_eager_checkpoint_resumes_compiled_in_the_plain_loop(sparse_dist, tmp
     for rank in range(2):
         assert resumed[rank]["compiled"] == ["dense_arch", "inter_arch", "over_arch"] and resumed[rank]["graphs"] > 0
         assert_same_steps_to_tolerance(resumed[rank]["steps"], sparse_dist["ranks"][rank]["steps"][9:])
+
+
+# ---- strategy qcomms: fp16 pooled-embedding all-to-all against the uncompressed runs above ----------
+
+# fp16 keeps 11 significant bits: each pooled embedding sent loses up to ~5e-4 of itself, forward and back.
+QCOMMS_FP16_LOSS_RTOL = 5e-3
+
+
+def qcomms_probe(cli) -> dict:
+    """probed plus the precisions of the codecs on the sharded module's pooled-embedding all-to-alls."""
+    from torchrec.distributed.dist_data import PooledEmbeddingsAllToAll
+
+    result = probed(cli)
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    # TorchRec keeps a sharded collection's output dists in a plain list: not among its submodules.
+    (sharded,) = [m for m in cli.trainer.strategy.model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
+    dists = [m for dist in sharded._output_dists for m in dist.modules() if isinstance(m, PooledEmbeddingsAllToAll)]
+    result["codec_dtypes"] = [
+        (str(d._codecs.forward.quantized_dtype), str(d._codecs.backward.quantized_dtype)) if d._codecs else None
+        for d in dists
+    ]
+    return result
+
+
+def test_fp16_communication_reaches_the_sharded_all_to_all_and_trains_to_the_uncompressed_losses(sample, plain, tmp_path):
+    qcomms = ["--trainer.strategy.init_args.qcomms", "{forward_precision: fp16, backward_precision: fp16}"]
+    ranks = run_on_ranks(2, pipeline_args(sample, tmp_path, "sparse_dist", *qcomms), tmp_path, qcomms_probe)
+    for rank in range(2):
+        # Table-wise on 2 ranks: one pooled all-to-all, both directions fp16.
+        assert ranks[rank]["codec_dtypes"] == [("torch.float16", "torch.float16")]
+        steps, uncompressed = ranks[rank]["steps"], plain[rank]["steps"]
+        assert [(s[0], s[1], s[3]) for s in steps] == [(s[0], s[1], s[3]) for s in uncompressed]
+        losses = [s[2] for s in steps]
+        assert losses == pytest.approx([s[2] for s in uncompressed], rel=QCOMMS_FP16_LOSS_RTOL)
+        assert losses != [s[2] for s in uncompressed]  # it did compress: fp16 rounding shows in the losses

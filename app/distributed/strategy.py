@@ -50,7 +50,6 @@ from app.distributed.sharding import (
     PlannedSharding,
     TableConstraint,
     build_constraints,
-    default_sharders,
     embedding_table_names,
     format_plan,
     host_memory_warning,
@@ -58,6 +57,7 @@ from app.distributed.sharding import (
     validate_fused_optimizer,
     validate_sharding_request,
 )
+from app.distributed.qcomms import QCommsSettings, check_qcomms, sharders_with_qcomms
 from app.distributed.threads import set_worker_threads
 from app.distributed.topology import DeviceTopology, resolve_topology, validate_topology_settings
 
@@ -101,6 +101,10 @@ class TorchRecStrategy(ParallelStrategy):
             naming the missing ranks.
         num_threads_per_process: torch intra-op threads of each process (default: ``OMP_NUM_THREADS``
             if set, else the machine's cores divided by the processes on the node; see app/distributed/threads.py).
+        qcomms: compressed communication: the precision of the pooled embeddings sent forward by the
+            all-to-all and of their gradients sent back, e.g. ``{forward_precision: fp16,
+            backward_precision: fp16}`` (TorchRec's QCommsConfig; fp16 on CPU, also bf16 and fp8 forward on
+            GPUs; app/distributed/qcomms.py). Default: none (fp32).
     """
 
     strategy_name = "torchrec"
@@ -117,6 +121,7 @@ class TorchRecStrategy(ParallelStrategy):
         barrier_timeout_s: float = 3600.0,
         rendezvous_timeout_s: float = 120.0,
         num_threads_per_process: int | None = None,
+        qcomms: QCommsSettings | None = None,
     ) -> None:
         # Accelerator, devices and cluster environment are filled in by the Trainer.
         super().__init__()
@@ -132,6 +137,7 @@ class TorchRecStrategy(ParallelStrategy):
         self.barrier_timeout_s = barrier_timeout_s
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.num_threads_per_process = num_threads_per_process
+        self.qcomms = qcomms
         # As launched: Lightning's launcher exports its own value later, in the launching process only.
         self._launch_omp_num_threads = os.environ.get("OMP_NUM_THREADS")
         self.num_nodes = 1
@@ -189,6 +195,8 @@ class TorchRecStrategy(ParallelStrategy):
             raise ValueError(
                 f"strategy.planner_objective = {self.planner_objective!r}: choose one of {', '.join(PLANNER_OBJECTIVES)}"
             )
+        if self.parallel_devices:
+            check_qcomms(self.qcomms, self.parallel_devices[0].type)
         if self._process_group_backend not in (None, "gloo", "nccl"):
             raise ValueError(f"strategy.process_group_backend = {self._process_group_backend!r}: use gloo or nccl")
         for name in ("timeout_s", "rendezvous_timeout_s"):
@@ -280,7 +288,8 @@ class TorchRecStrategy(ParallelStrategy):
         tables = embedding_table_names(module)
         validate_sharding_request(self.sharding_types, self.table_constraints, self.root_device.type, tables)
         validate_fused_optimizer(module, self.root_device.type)
-        sharders = default_sharders()
+        check_qcomms(self.qcomms, self.root_device.type)
+        sharders = sharders_with_qcomms(self.qcomms, self.root_device)
         # A checkpoint's shards and optimizer keys fit the plan they were written under, and the
         # planner may choose differently between runs (ties between table- and column-wise): reuse it.
         # Otherwise (another world size, or a plan that breaks this run's sharding settings) plan afresh
