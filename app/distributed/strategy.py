@@ -137,7 +137,8 @@ class TorchRecStrategy(ParallelStrategy):
         self.barrier_timeout_s = barrier_timeout_s
         self.rendezvous_timeout_s = rendezvous_timeout_s
         self.num_threads_per_process = num_threads_per_process
-        self.qcomms = qcomms
+        # A dict from code that builds the strategy directly (the bench's variants), as the CLI's dataclass.
+        self.qcomms = QCommsSettings(**qcomms) if isinstance(qcomms, dict) else qcomms
         # As launched: Lightning's launcher exports its own value later, in the launching process only.
         self._launch_omp_num_threads = os.environ.get("OMP_NUM_THREADS")
         self.num_nodes = 1
