@@ -213,7 +213,10 @@ def summary_line(spec: BenchSpec, lines: list[dict[str, Any]]) -> dict[str, Any]
     }
     summary["memory_growth_over_expected_max"] = growth
     summary["memory_target_factor"] = MEMORY_TARGET_FACTOR
-    summary["memory_target_holds"] = all(g <= MEMORY_TARGET_FACTOR for run, g in growth.items() if not run.startswith("raw"))
+    # Judged on the app as it runs by default; a variant's growth (compile's code and caches) is reported
+    # above as a cost of that lever. Without the default run (run.sides), on every app run.
+    judged = {"app": growth["app"]} if "app" in growth else {run: g for run, g in growth.items() if not run.startswith("raw")}
+    summary["memory_target_holds"] = all(g <= MEMORY_TARGET_FACTOR for g in judged.values())
     return summary
 
 
