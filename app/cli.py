@@ -5,6 +5,7 @@ Examples::
     python -m app fit --config configs/demo.yaml
     python -m app fit --config configs/demo.yaml --trainer.max_epochs 1 --data.batch_size 1024
     python -m app fit --config configs/demo.yaml --print_config
+    python -m app fit --config configs/demo.yaml --early_stopping.monitor val/auc --early_stopping.mode max
     torchrun --nnodes 2 --nproc_per_node 8 --node_rank R --master_addr HOST -m app fit --config FILE
 """
 
@@ -26,6 +27,7 @@ from app.distributed.strategy import TorchRecStrategy
 from app.moved import find_moved_name
 from app.notices import silence_library_notices
 from app.train.callbacks import PredictionWriter, SamplesPerSecond
+from app.train.early_stopping import EarlyStoppingWhenAsked
 from app.train.module import DLRMModule
 
 # Errors a user causes with a setting or a file: shown as one line, not a traceback.
@@ -50,6 +52,8 @@ class DLRMCLI(LightningCLI):
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True})
         parser.add_lightning_class_args(SaveOnSignal, "save_on_signal")
+        # Off unless --early_stopping.monitor names a metric (app/train/early_stopping.py).
+        parser.add_lightning_class_args(EarlyStoppingWhenAsked, "early_stopping")
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -64,6 +68,7 @@ class DLRMCLI(LightningCLI):
             init_args = getattr(logger, "init_args", None)
             if init_args is not None and "save_dir" in init_args and init_args.save_dir is None:
                 init_args.save_dir = root
+        _check_early_stopping(config)
 
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
@@ -79,10 +84,22 @@ class DLRMCLI(LightningCLI):
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         if config.get("enable_checkpointing") is False:
             callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+        callbacks = [c for c in callbacks if not isinstance(c, EarlyStoppingWhenAsked) or c.enabled]
         trainer = super()._instantiate_trainer(config, callbacks)
         if self.subcommand and hasattr(trainer.strategy, "requested_ckpt_path"):
             trainer.strategy.requested_ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         return trainer
+
+
+def _check_early_stopping(config: Any) -> None:
+    """Refuses an early-stopping group that would stop on the wrong side of the metric it shares with the
+    checkpoint group (the mode is Lightning's "min" unless set, and val/auc rises)."""
+    stopping, checkpoint = config.early_stopping, config.checkpoint
+    if stopping.monitor is not None and stopping.monitor == checkpoint.monitor and stopping.mode != checkpoint.mode:
+        raise ValueError(
+            f"early_stopping.mode = {stopping.mode} but checkpoint.mode = {checkpoint.mode} for the same metric "
+            f"{stopping.monitor}: set --early_stopping.mode {checkpoint.mode}"
+        )
 
 
 @record  # under torchrun, the failing rank's traceback is reported instead of a bare exit code

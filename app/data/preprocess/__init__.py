@@ -37,10 +37,14 @@ from app.data.tsv import NUM_DENSE, NUM_SPARSE
 from app.data.preprocess.vocabulary import (
     FIRST_CONTIGUOUS_ID,
     RARE_ID,
+    VOCABULARY_FILE,
+    Vocabulary,
     count_ids,
     load_vocabularies,
     map_to_contiguous,
+    save_vocabularies,
     vocabulary_path,
+    vocabulary_sha256,
 )
 from app.data.preprocess.workers import run_tasks
 
@@ -54,6 +58,8 @@ __all__ = [
     "NUM_SPARSE",
     "RARE_ID",
     "RAW_IDS",
+    "VOCABULARY_FILE",
+    "Vocabulary",
     "Config",
     "DayResult",
     "DayTask",
@@ -72,5 +78,7 @@ __all__ = [
     "read_sidecar_info",
     "run",
     "run_tasks",
+    "save_vocabularies",
     "vocabulary_path",
+    "vocabulary_sha256",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,18 @@ def save_npz_atomically(path: Path, **arrays: np.ndarray) -> None:
     with open(partial, "wb") as file:  # np.savez appends ".npz" to a file name, not to an open file
         np.savez(file, **arrays)
     os.replace(partial, path)
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """``target`` as a hard link to ``source`` (no bytes copied), or a copy where the file system
+    refuses (another device, no hard links). Only for files never rewritten in place."""
+    target.unlink(missing_ok=True)
+    try:
+        os.link(source, target)
+    except OSError:
+        partial = Path(f"{target}.partial")
+        shutil.copyfile(source, partial)
+        os.replace(partial, target)
 
 
 def save_npy_atomically(path: Path, array: np.ndarray) -> None:
