@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,8 +82,17 @@ def cached_days(request: CacheRequest, convert: bool = True) -> Path:
     Without ``convert`` (ranks that wait while another converts), a folder that is not complete
     raises the error recorded by the failed conversion, or says it is missing.
     """
-    folder = request.folder
-    fingerprint = request.fingerprint()
+    return cached_folder(request.folder, request.fingerprint(), lambda folder: _convert(request, folder), convert)
+
+
+def cached_folder(folder: Path, fingerprint: dict[str, Any], make: Callable[[Path], None], convert: bool = True) -> Path:
+    """``folder``, made by ``make(folder)`` first unless it is complete with this ``fingerprint``: the
+    cache's protocol (``cache.json``, the lock, stale folders replaced, failures recorded) for any
+    folder derived from others (the converted days, a vocabulary, days mapped with it).
+
+    ``make`` may find the files of an unfinished earlier attempt with the same fingerprint there;
+    a folder made from another fingerprint is deleted first.
+    """
     if _is_complete(folder, fingerprint):
         return folder
     _make_parent(folder)
@@ -96,7 +106,7 @@ def cached_days(request: CacheRequest, convert: bool = True) -> Path:
                 f"data cache {folder} is not complete: "
                 + (f"its conversion failed: {recorded}" if recorded else "the conversion on local rank 0 did not finish")
             )
-        _convert(request, folder, fingerprint, state)
+        _make(folder, fingerprint, state, make)
     return folder
 
 
@@ -125,8 +135,8 @@ def _make_parent(folder: Path) -> None:
         raise ValueError(f"cannot create the data cache folder {folder.parent} ({error}); set data.cache_dir") from None
 
 
-def _convert(request: CacheRequest, folder: Path, fingerprint: dict[str, Any], state: dict[str, Any]) -> None:
-    """Convert (or finish converting) the input set into ``folder``, recording the outcome."""
+def _make(folder: Path, fingerprint: dict[str, Any], state: dict[str, Any], make: Callable[[Path], None]) -> None:
+    """Make (or finish making) ``folder`` with ``make``, recording the outcome."""
     if folder.exists() and state.get("fingerprint") != fingerprint:
         why = "other inputs or options" if state else "an unknown run"
         print(f"data cache {folder} was made from {why}: converting again", file=sys.stderr)
@@ -135,19 +145,10 @@ def _convert(request: CacheRequest, folder: Path, fingerprint: dict[str, Any], s
         print(f"data cache {folder}: the last conversion failed ({state['error']}); converting again", file=sys.stderr)
     elif folder.exists():
         print(f"data cache {folder}: resuming an unfinished conversion", file=sys.stderr)
-    workers = request.workers if request.workers is not None else default_workers()
-    config = Config(
-        inputs=[str(p) for p in request.inputs],
-        output=folder,
-        workers=workers,
-        dense_transform=request.dense_transform,
-        on_bad_rows=request.on_bad_rows,
-        progress=sys.stderr.isatty(),
-    )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         _write_state(folder, {"fingerprint": fingerprint, "complete": False, "error": None})
-        preprocess(config)
+        make(folder)
         _write_state(folder, {"fingerprint": fingerprint, "complete": True, "error": None})
     except OSError as error:
         if error.errno != errno.ENOSPC:
@@ -162,6 +163,20 @@ def _convert(request: CacheRequest, folder: Path, fingerprint: dict[str, Any], s
     except BaseException as error:
         _record_failure(folder, fingerprint, error)
         raise
+
+
+def _convert(request: CacheRequest, folder: Path) -> None:
+    """Raw TSV -> NumPy days in ``folder``, by the preprocessor (which resumes finished days)."""
+    workers = request.workers if request.workers is not None else default_workers()
+    config = Config(
+        inputs=[str(p) for p in request.inputs],
+        output=folder,
+        workers=workers,
+        dense_transform=request.dense_transform,
+        on_bad_rows=request.on_bad_rows,
+        progress=sys.stderr.isatty(),
+    )
+    preprocess(config)
 
 
 def _record_failure(folder: Path, fingerprint: dict[str, Any], error: BaseException) -> None:
