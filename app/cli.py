@@ -6,6 +6,7 @@ Examples::
     python -m app fit --config configs/demo.yaml --trainer.max_epochs 1 --data.batch_size 1024
     python -m app fit --config configs/demo.yaml --print_config
     python -m app fit --config configs/demo.yaml --early_stopping.monitor val/auc --early_stopping.mode max
+    python -m app validate --config configs/demo.yaml --ckpt_path best
     torchrun --nnodes 2 --nproc_per_node 8 --node_rank R --master_addr HOST -m app fit --config FILE
 """
 
@@ -18,8 +19,10 @@ from typing import Any
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from app.checkpoint.best import BEST, find_best_checkpoint
 from app.checkpoint.preemption import SaveOnSignal
 from app.data.datamodule import CriteoDataModule
 from app.distributed.health import RankHealth
@@ -69,6 +72,8 @@ class DLRMCLI(LightningCLI):
             if init_args is not None and "save_dir" in init_args and init_args.save_dir is None:
                 init_args.save_dir = root
         _check_early_stopping(config)
+        if config.get("ckpt_path") == BEST:
+            config.ckpt_path = _best_checkpoint_path(config)
 
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
@@ -100,6 +105,22 @@ def _check_early_stopping(config: Any) -> None:
             f"early_stopping.mode = {stopping.mode} but checkpoint.mode = {checkpoint.mode} for the same metric "
             f"{stopping.monitor}: set --early_stopping.mode {checkpoint.mode}"
         )
+
+
+def _best_checkpoint_path(config: Any) -> str:
+    """``--ckpt_path best`` as a path, read from the checkpoint folder's files: Lightning's own ``best``
+    is known only in the process that ran fit. Every process that parses the command line (each rank
+    under Lightning's launcher or torchrun) reads the same files and gets the same path, and a refusal
+    comes before any worker starts."""
+    checkpoint = config.checkpoint
+    if checkpoint.monitor is None:
+        raise ValueError(
+            "ckpt_path best: checkpoint.monitor is not set, so no checkpoint was ranked best; set it as in the "
+            "run that wrote them (e.g. --checkpoint.monitor val/auc --checkpoint.mode max) or give a checkpoint path"
+        )
+    best = find_best_checkpoint(checkpoint.dirpath, checkpoint.monitor, checkpoint.mode)
+    rank_zero_info(best.describe())
+    return str(best.path)
 
 
 @record  # under torchrun, the failing rank's traceback is reported instead of a bare exit code

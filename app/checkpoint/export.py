@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from app.checkpoint.best import BEST, find_best_checkpoint
 from app.checkpoint.format import SafeFileSystemReader
 from app.checkpoint.format import read as read_checkpoint
 
@@ -69,14 +70,22 @@ def plain_hyper_parameters(hyper_parameters: dict[str, Any], source: Path) -> di
         raise ValueError(f"{source}: hyper-parameters that are not plain data: {error}") from None
 
 
-def export_checkpoint(ckpt_path: str, output: str = "model.pt") -> Path:
+def export_checkpoint(ckpt_path: str, output: str = "model.pt", checkpoint_dir: str | None = None) -> Path:
     """Writes one unsharded model file (plain tensors plus the model's hyper-parameters).
 
     Args:
         ckpt_path: a sharded checkpoint folder written by ``python -m app fit`` (e.g.
-            ``runs/demo/checkpoints/last.ckpt``).
+            ``runs/demo/checkpoints/last.ckpt``), or ``best``: the checkpoint in ``checkpoint_dir`` that
+            the run ranked best by its checkpoint group's monitor (app/checkpoint/best.py).
         output: the file to write; replaced atomically if it exists.
+        checkpoint_dir: the run's checkpoint folder, for ``--ckpt_path best`` (e.g. ``runs/demo/checkpoints``).
     """
+    if ckpt_path == BEST:
+        if checkpoint_dir is None:
+            raise ValueError("export --ckpt_path best: name the run's checkpoint folder with --checkpoint_dir")
+        best = find_best_checkpoint(checkpoint_dir)  # by the monitor the run's checkpoints were ranked by
+        print(best.describe())
+        ckpt_path = str(best.path)
     source = Path(ckpt_path).expanduser()
     info = read_checkpoint(source)  # complete, readable, plain-data metadata; a ValueError naming the path if not
     hyper_parameters = info.meta.get("hyper_parameters") or {}
