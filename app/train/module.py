@@ -23,7 +23,16 @@ from app.train.metrics import (
     check_exact_auc_memory,
     sync_exact_auc_through,
 )
-from app.train.optimizers import DenseOptimizer, SparseOptimizer, build_optimizer, check_optimizer_names, fuse_sparse_optimizer
+from app.train.optimizers import (
+    DenseOptimizer,
+    SparseOptimizer,
+    WeightDecayModeName,
+    build_optimizer,
+    check_optimizer_names,
+    check_sparse_weight_decay_device,
+    check_weight_decay,
+    fuse_sparse_optimizer,
+)
 from app.train.pipeline import (
     Pipeline,
     PipelinedTraining,
@@ -57,6 +66,16 @@ class DLRMModule(LightningModule):
         sparse_learning_rate: learning rate of the embedding tables.
         dense_optimizer: optimizer of the MLPs and interaction layers: adagrad, adam or sgd.
         dense_learning_rate: learning rate of the dense parameters.
+        sparse_weight_decay: weight decay of the embedding tables (0: none), applied by FBGEMM's fused
+            kernel to the rows each batch looks up, at that step; row_wise_adagrad and adam, on GPUs
+            (FBGEMM's CPU kernels drop it: refused on CPU). No table may then be replicated
+            (data_parallel): see docs/training.md, "Regularisation".
+        sparse_weight_decay_mode: ``l2`` (decay x weight added to the row's gradient, Adagrad's
+            accumulator included; row_wise_adagrad) or ``decoupled`` (the row scaled by 1 - lr x decay;
+            row_wise_adagrad, and adam, whose kernel has only this mode).
+        dense_weight_decay: torch's weight decay of the dense parameters (0: none).
+        dense_weight_decay_mode: ``l2`` (adagrad, adam, sgd) or ``decoupled`` (adam, as AdamW; sgd,
+            where the two are the same update).
         eval_metrics: ``exact`` AUC keeps every validation/test prediction in host memory and
             gathers them on every rank (eval sets that fit there: refused before training when the
             host's ranks would need more than it has, app/train/metrics.py); ``binned`` counts
@@ -107,6 +126,10 @@ class DLRMModule(LightningModule):
         sparse_learning_rate: float = 0.05,
         dense_optimizer: DenseOptimizer = "adagrad",
         dense_learning_rate: float = 0.05,
+        sparse_weight_decay: float = 0.0,
+        sparse_weight_decay_mode: WeightDecayModeName = "l2",
+        dense_weight_decay: float = 0.0,
+        dense_weight_decay_mode: WeightDecayModeName = "l2",
         eval_metrics: EvalMetrics = "exact",
         auc_num_thresholds: int = 10_000,
         pipeline: Pipeline = "auto",
@@ -122,6 +145,10 @@ class DLRMModule(LightningModule):
         super().__init__()
         self.save_hyperparameters()
         check_optimizer_names(sparse_optimizer, dense_optimizer)
+        check_weight_decay(
+            sparse_optimizer, sparse_weight_decay, sparse_weight_decay_mode,
+            dense_optimizer, dense_weight_decay, dense_weight_decay_mode,
+        )  # fmt: skip
         check_pipeline(pipeline)
         self._pipelined: PipelinedTraining | None = None
         self._train_loss = RunningMean()
@@ -145,7 +172,10 @@ class DLRMModule(LightningModule):
         )
         self._first_compiled_step = FirstStepTimer()
         # Set before sharding: the sharder reads it to build the update into the embedding kernels.
-        fuse_sparse_optimizer(self.model.sparse_arch.parameters(), sparse_optimizer, sparse_learning_rate)
+        fuse_sparse_optimizer(
+            self.model.sparse_arch.parameters(), sparse_optimizer, sparse_learning_rate,
+            sparse_weight_decay, sparse_weight_decay_mode,
+        )  # fmt: skip
         self.val_metrics = build_eval_metrics("val/", eval_metrics, auc_num_thresholds)
         self.test_metrics = build_eval_metrics("test/", eval_metrics, auc_num_thresholds)
 
@@ -153,16 +183,19 @@ class DLRMModule(LightningModule):
         """Click logits (B,) for a batch."""
         return self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
 
-    def check_before_launch(self, device_type: str) -> None:
+    def check_before_launch(self, device_type: str, stage: str | None = None) -> None:
         """The module's settings that this machine cannot run, refused naming the setting: the CLI calls
-        it before any worker starts, ``setup`` again for every other caller."""
+        it before any worker starts, ``setup`` again for every other caller. ``stage`` (Lightning's:
+        fit, validate, test, predict) adds the checks of training alone, where known."""
         check_embedding_precision(self.hparams.embedding_precision, device_type)
+        if stage == "fit":  # the decay acts in training only: evaluating such a model on CPU is fine
+            check_sparse_weight_decay_device(self.hparams.sparse_weight_decay, device_type)
         if self.hparams.compile:
             check_compile_supported(device_type)
 
     def setup(self, stage: str) -> None:
         device_type = self.trainer.strategy.root_device.type
-        self.check_before_launch(device_type)
+        self.check_before_launch(device_type, stage)
         if self.hparams.compile and not compiled_layer_names(self.model):
             compile_dense_layers(self.model, device_type)  # compiles at the first forward; the keys stay the same
         # Known only once the trainer exists: the device and world size decide what "auto" means. A pipelined step
@@ -292,6 +325,9 @@ class DLRMModule(LightningModule):
             sparse_learning_rate=self.hparams.sparse_learning_rate,
             dense_optimizer=self.hparams.dense_optimizer,
             dense_learning_rate=self.hparams.dense_learning_rate,
+            sparse_weight_decay=self.hparams.sparse_weight_decay,
+            dense_weight_decay=self.hparams.dense_weight_decay,
+            dense_weight_decay_mode=self.hparams.dense_weight_decay_mode,
         )
         if self.lr_schedule.is_constant:
             return optimizer
