@@ -57,6 +57,8 @@ class DLRMCLI(LightningCLI):
         parser.add_lightning_class_args(SaveOnSignal, "save_on_signal")
         # Off unless --early_stopping.monitor names a metric (app/train/early_stopping.py).
         parser.add_lightning_class_args(EarlyStoppingWhenAsked, "early_stopping")
+        # Say why fit ended (Lightning prints nothing when it stops early), once, not once per rank.
+        parser.set_defaults({"early_stopping.verbose": True, "early_stopping.log_rank_zero_only": True})
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
