@@ -5,13 +5,19 @@ converted once into NumPy day files in a cache folder (:mod:`app.data.cache`, fr
 ``prepare_data``), and every split is then read memory-mapped, so host memory per rank stays
 bounded whatever the data size. Only ``predict`` reads raw TSV straight into memory (a file to
 score, possibly unlabelled).
+
+``data.frequency_threshold`` adds a vocabulary counted over the cached training rows and the
+cached splits mapped with it (:mod:`app.data.frequency_threshold`). The vocabulary is this module's
+checkpoint state (``state_dict``): it travels with checkpoints and exported models, and a restored
+one maps ``predict``'s ids, so that scoring needs neither the training data nor its cache.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
+import numpy as np
 import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -20,11 +26,13 @@ from torch.utils.data import DataLoader
 from app.data.cache import CacheRequest, cached_days, read_metadata
 from app.data.dataset import CriteoBatches, EpochBatchSampler
 from app.data.formats import DataFormat, ReadOptions, open_days, read_tsv_split, rows_view
+from app.data.frequency_threshold import mapped_days, training_vocabulary
 from app.data.loader import ResumableBatchLoader
 from app.data.numpy_days import NumpyDaysSource
+from app.data.preprocess import RAW_IDS, Vocabulary
 from app.data.source import RowSource, expand_table_sizes
 from app.data.splits import SPLITS_BY_STAGE, SplitFiles, SplitName, part_rows, split_files
-from app.data.tsv import DenseTransform, OnBadRows
+from app.data.tsv import SPARSE_NAMES, CriteoArrays, DenseTransform, OnBadRows
 
 PathSpec = str | list[str]
 
@@ -37,7 +45,7 @@ class CriteoDataModule(LightningDataModule):
     (``cache_dir``) and read memory-mapped, like the preprocessed formats; a later run with the same
     files and options reuses the cache. Each step trains on one global batch of
     ``batch_size * world_size`` rows, split across the ranks; evaluation visits every row exactly
-    once. Categorical ids are hashed modulo the table sizes.
+    once. Categorical ids are hashed modulo the table sizes (after ``frequency_threshold``'s mapping).
 
     Args:
         train: training rows: a TSV file, a glob, a directory of ``.tsv``/``.txt``/``.gz`` files or a
@@ -55,9 +63,10 @@ class CriteoDataModule(LightningDataModule):
             anything else raw TSV), or one of ``tsv``, ``numpy``, ``multi_hot``.
         batch_size: rows per batch on each process (the global batch is this times the world size).
         num_embeddings_per_feature: rows of each embedding table: 26 sizes, one size for all, or
-            ``auto``: from the training data, the exact number of distinct ids per feature (or, for a
-            folder preprocessed with a frequency threshold, its vocabulary sizes). Each categorical id
-            is taken modulo its table's size.
+            ``auto``: from the training data, the exact number of distinct ids per feature (with
+            ``frequency_threshold``, or for a folder preprocessed with one, its vocabulary sizes + 2).
+            Each categorical id is taken modulo its table's size: with a threshold, a table smaller
+            than its vocabulary + 2 makes kept ids share rows (warned).
         num_workers: DataLoader worker processes per rank that assemble batches.
         shuffle: reshuffle the training data every epoch: whole global batches in a new order (the
             rows of a batch stay contiguous on disk, so reads stay sequential at any scale); rows,
@@ -69,10 +78,18 @@ class CriteoDataModule(LightningDataModule):
             ``log_plus_3`` = log(x + 3) (TorchRec's former NumPy preprocessing).
         cache_dir: where raw TSV is converted to NumPy day files, one sub-folder per input set.
             Default: a ``criteo_cache`` folder beside the raw files. Needs about 160 bytes per row
-            (2/3 of the raw text).
+            (2/3 of the raw text); with ``frequency_threshold`` also 104 bytes per row for the
+            mapped ids and 8 bytes per kept id for the vocabulary.
         cache_workers: processes (and parse threads) converting raw TSV; default: the cores here.
         prepare_data_per_node: convert on local rank 0 of every node (true: node-local cache_dir),
             or only on global rank 0 (false: cache_dir on storage that every node sees).
+        frequency_threshold: 0: off (ids as they are). T >= 1: ids seen at least T times in the
+            training split get their own contiguous ids 2, 3, ... per feature, every other id (rare,
+            or unseen in training) the shared id 1, as TorchRec's Criteo preprocessing and the DLRM
+            references do (they use T = 3). Counted once over the cached training rows (only
+            those); validation and test are cached mapped with that vocabulary; ``predict`` maps
+            with the vocabulary saved in the checkpoint or exported model it scores with. Raw TSV
+            only; validate and test need ``train`` (or ``split``) set too, to find the vocabulary.
     """
 
     def __init__(
@@ -94,6 +111,7 @@ class CriteoDataModule(LightningDataModule):
         cache_dir: str | None = None,
         cache_workers: int | None = None,
         prepare_data_per_node: bool = True,
+        frequency_threshold: int = 0,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -102,6 +120,13 @@ class CriteoDataModule(LightningDataModule):
             raise ValueError(f"data.num_workers = {num_workers} must be >= 0")
         if cache_workers is not None and cache_workers < 1:
             raise ValueError(f"data.cache_workers = {cache_workers} must be at least 1")
+        if frequency_threshold < 0:
+            raise ValueError(f"data.frequency_threshold = {frequency_threshold} must be >= 0 (0 = off)")
+        self.frequency_threshold = frequency_threshold
+        self._vocabulary: Vocabulary | None = None  # the training split's, once counted or read
+        self._restored: dict[str, Any] | None = None  # this module's state in the checkpoint last restored
+        self._unmapped_predict: CriteoArrays | None = None  # predict's raw ids, until a vocabulary maps them
+        self._predict_place = (0, 1)  # (rank, world size) of the predict rows still to be mapped
         self.specs = {name: spec for name, spec in (("train", train), ("val", val), ("test", test), ("predict", predict)) if spec is not None}
         self.split, self.root, self.format = split, root, format
         self._check_split_settings()
@@ -139,6 +164,11 @@ class CriteoDataModule(LightningDataModule):
             raise ValueError(
                 "data.num_embeddings_per_feature: auto sizes the tables from the training data; set data.train or data.split"
             ) from None
+        if self.frequency_threshold:
+            self._check_threshold_applies(train)
+            sizes = self._training_vocabulary(convert=True).table_sizes
+            rank_zero_info(f"data.num_embeddings_per_feature: auto -> {sizes} (the vocabulary sizes + 2)")
+            return sizes
         if train.format == "tsv":
             folder = cached_days(self._cache_request(train))  # now: the model is built from these sizes
         elif train.format == "numpy":
@@ -154,6 +184,57 @@ class CriteoDataModule(LightningDataModule):
     def _cache_request(self, files: SplitFiles) -> CacheRequest:
         return CacheRequest(files.files, self.dense_transform, self.on_bad_rows, self.cache_dir, self.cache_workers)
 
+    def _split_files(self, wanted: list[str] | tuple[str, ...]) -> dict[str, SplitFiles]:
+        """The files of the ``wanted`` splits that are set, refusing a threshold where it cannot apply."""
+        found = split_files(self.specs, self.split, self.root, self.format, wanted)
+        if self.frequency_threshold:
+            for files in found.values():
+                self._check_threshold_applies(files)
+        return found
+
+    def _check_threshold_applies(self, files: SplitFiles) -> None:
+        if files.format == "tsv":
+            return
+        where, threshold = files.setting, self.frequency_threshold
+        if files.format == "multi_hot":
+            raise ValueError(
+                f"data.frequency_threshold = {threshold} does not apply to multi-hot days ({where}): their ids are "
+                "already hashed into MLPerf's table sizes; leave it at 0"
+            )
+        raise ValueError(
+            f"data.frequency_threshold = {threshold} counts raw TSV ids as they are cached; {where} is a folder of "
+            f"NumPy days, whose ids were fixed when it was preprocessed: make it from the raw TSV with "
+            f"`python -m app.data.preprocess --frequency_threshold {threshold}` (num_embeddings_per_feature: auto "
+            "then follows its vocabulary), or read the raw TSV here, and leave data.frequency_threshold at 0"
+        )
+
+    def _training_split(self) -> SplitFiles:
+        try:
+            train = split_files(self.specs, self.split, self.root, self.format, ["train"])["train"]
+        except ValueError:
+            raise ValueError(
+                f"data.frequency_threshold = {self.frequency_threshold} maps ids with the vocabulary counted over "
+                "data.train: set data.train (or data.split) for this stage too"
+            ) from None
+        self._check_threshold_applies(train)
+        return train
+
+    def _training_vocabulary(self, convert: bool) -> Vocabulary:
+        """The training split's vocabulary (counted once, then read from the cache)."""
+        if self._vocabulary is None:
+            train = self._training_split()
+            where = train.setting if train.part == "all" else f"{train.setting} ({train.part} rows)"
+            request = self._cache_request(train)
+            self._vocabulary = training_vocabulary(request, train.part, self.frequency_threshold, where, convert)
+        return self._vocabulary
+
+    def _cached_folder(self, files: SplitFiles, convert: bool) -> Path:
+        """The cached days of a raw TSV split: as converted, or mapped with the training vocabulary."""
+        request = self._cache_request(files)
+        if not self.frequency_threshold:
+            return cached_days(request, convert)
+        return mapped_days(request, self._training_vocabulary(convert), convert)
+
     def check_inputs(self, stage: str) -> None:
         """Raises FileNotFoundError naming the setting for an input of ``stage`` that does not exist.
 
@@ -163,7 +244,10 @@ class CriteoDataModule(LightningDataModule):
         self._files(stage)
 
     def _files(self, stage: str) -> dict[str, SplitFiles]:
-        return split_files(self.specs, self.split, self.root, self.format, SPLITS_BY_STAGE[stage])
+        found = self._split_files(SPLITS_BY_STAGE[stage])
+        if self.frequency_threshold and stage in ("validate", "test"):
+            self._training_split()  # where the vocabulary comes from: named before any launch
+        return found
 
     def prepare_data(self) -> None:
         """Convert the stage's raw TSV splits into the cache (Lightning calls this on local rank 0 of
@@ -172,7 +256,7 @@ class CriteoDataModule(LightningDataModule):
         try:
             for name, files in self._files(stage).items():
                 if files.format == "tsv" and name != "predict":
-                    cached_days(self._cache_request(files))
+                    self._cached_folder(files, convert=True)
         except Exception as error:
             # Raised from setup instead: leaving the barrier with an error would cut the waiting ranks
             # off mid-collective; in setup every rank stops with the message (app.data.cache).
@@ -185,6 +269,7 @@ class CriteoDataModule(LightningDataModule):
         rank, world_size = self._rank_and_world_size()
         # Under a Trainer, prepare_data has converted (or failed to) before any rank gets here.
         convert = self.trainer is None
+        self._restored = None  # load_state_dict sets it if the run restores a checkpoint with this state
         reported: set[tuple[Path, ...]] = set()
         for name, files in self._files(stage).items():
             source, skipped, first_bad_row = self._open(name, files, convert)
@@ -195,7 +280,13 @@ class CriteoDataModule(LightningDataModule):
             if name == "train":
                 self.num_bad_rows_skipped = skipped
             start, stop = part_rows(files.part, len(source))
+            if name == "predict" and self.frequency_threshold:
+                # Raw ids until the vocabulary is known: a checkpoint's arrives after setup (load_state_dict).
+                self._unmapped_predict, self._predict_place = source, (rank, world_size)  # type: ignore[assignment]
+                continue
             self.datasets[name] = self._rank_batches(name, rows_view(source, start, stop), rank, world_size)
+        if self._vocabulary is not None:
+            self._warn_about_small_tables(self._vocabulary)
 
     def _rank_and_world_size(self) -> tuple[int, int]:
         """This process's place: the Trainer's; outside one, the process group's (a plain training
@@ -211,9 +302,11 @@ class CriteoDataModule(LightningDataModule):
         if files.format != "tsv":
             return open_days(files.files[0], files.format, files.days, self.options), 0, None
         if name == "predict":
-            arrays = read_tsv_split(files.files, self.options, labelled=None)
+            # With a threshold: the raw 32-bit ids, mapped once a vocabulary is known (predict_dataloader).
+            options = ReadOptions(RAW_IDS, self.on_bad_rows, self.dense_transform) if self.frequency_threshold else self.options
+            arrays = read_tsv_split(files.files, options, labelled=None)
             return arrays, arrays.num_bad_rows, arrays.first_bad_row
-        folder = cached_days(self._cache_request(files), convert)
+        folder = self._cached_folder(files, convert)
         metadata = read_metadata(folder)
         unlabelled = [day["input"] for day in metadata["days"] if not day["labelled"]]
         if unlabelled:
@@ -239,6 +332,7 @@ class CriteoDataModule(LightningDataModule):
         )
 
     def _loader(self, split: str) -> DataLoader:
+        self._check_restored_ids(same_vocabulary=True)
         return ResumableBatchLoader(self.datasets[split], num_workers=self.num_workers)
 
     def train_dataloader(self) -> DataLoader:
@@ -251,7 +345,84 @@ class CriteoDataModule(LightningDataModule):
         return self._loader("test")
 
     def predict_dataloader(self) -> DataLoader:
+        self._check_restored_ids(same_vocabulary=False)
+        if self._unmapped_predict is not None:
+            self._map_predict_ids()
         # A plain DataLoader: Lightning rebuilds the predict loader to track batch indices, and
         # nothing needs resuming there.
         dataset = self.datasets["predict"]
         return DataLoader(dataset, batch_size=None, sampler=EpochBatchSampler(len(dataset)), num_workers=self.num_workers)
+
+    # ---- the vocabulary as checkpoint state -------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this module: the threshold and its vocabulary (nothing without a
+        threshold). app.checkpoint writes the vocabulary's arrays beside the checkpoint's metadata."""
+        if not self.frequency_threshold:
+            return {}
+        vocabulary = self._vocabulary or (self._restored or {}).get("vocabulary")
+        return {"frequency_threshold": self.frequency_threshold, "vocabulary": vocabulary}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Takes a checkpoint's threshold and vocabulary (a :class:`Vocabulary`, or its plain form from an
+        exported model file); checked against this run's settings when the loaders are made."""
+        vocabulary = state_dict.get("vocabulary")
+        if vocabulary is not None and not isinstance(vocabulary, Vocabulary):
+            vocabulary = Vocabulary.from_plain(vocabulary)
+        self._restored = {"frequency_threshold": int(state_dict.get("frequency_threshold", 0)), "vocabulary": vocabulary}
+
+    def _check_restored_ids(self, same_vocabulary: bool) -> None:
+        """A restored checkpoint's ids must mean what this run's ids mean: the same threshold, and
+        (``same_vocabulary``: the splits cached with the training split's vocabulary) the same
+        vocabulary. Predict maps with the checkpoint's own, whatever data.train holds now."""
+        path = None if self.trainer is None else self.trainer.ckpt_path
+        if path is None:
+            return
+        trained = (self._restored or {}).get("frequency_threshold", 0)
+        if trained != self.frequency_threshold:
+            how = f"its vocabulary maps the ids: set data.frequency_threshold {trained}" if trained else (
+                "raw hashed ids: set data.frequency_threshold 0")
+            raise ValueError(
+                f"ckpt_path {path} was trained with data.frequency_threshold = {trained}, this run has "
+                f"{self.frequency_threshold} ({how})"
+            )
+        restored = (self._restored or {}).get("vocabulary")
+        if trained and restored is None:
+            raise ValueError(f"ckpt_path {path}: trained with data.frequency_threshold = {trained} but holds no vocabulary")
+        if same_vocabulary and trained and self._vocabulary is not None and restored.sha256 != self._vocabulary.sha256:
+            raise ValueError(
+                f"ckpt_path {path} was trained with another vocabulary (sha256 {restored.sha256[:12]}) than the one "
+                f"data.frequency_threshold = {trained} counts over data.train now ({self._vocabulary.sha256[:12]}): "
+                "its ids would mean other things; use the training data of that checkpoint"
+            )
+
+    def _map_predict_ids(self) -> None:
+        """Maps predict's raw ids with the restored checkpoint's vocabulary (or, with no checkpoint, the
+        training split's, if this process has it), then takes them modulo the table sizes."""
+        restored = (self._restored or {}).get("vocabulary")
+        vocabulary = restored if restored is not None else self._vocabulary
+        if vocabulary is None:
+            raise ValueError(
+                f"data.frequency_threshold = {self.frequency_threshold}: predict maps ids with the vocabulary saved in "
+                "the checkpoint it scores with; give --ckpt_path (a checkpoint or model file trained with this threshold)"
+            )
+        arrays, (rank, world_size) = self._unmapped_predict, self._predict_place
+        assert arrays is not None
+        self._warn_about_small_tables(vocabulary)
+        vocabulary.map(arrays.sparse, out=arrays.sparse)
+        np.remainder(arrays.sparse, np.asarray(self.table_sizes, dtype=np.int64), out=arrays.sparse)
+        self._unmapped_predict = None
+        self.datasets["predict"] = self._rank_batches("predict", arrays, rank, world_size)
+
+    def _warn_about_small_tables(self, vocabulary: Vocabulary) -> None:
+        small = [
+            f"{SPARSE_NAMES[j]} ({self.table_sizes[j]} rows for {needed})"
+            for j, needed in enumerate(vocabulary.table_sizes)
+            if self.table_sizes[j] < needed
+        ]
+        if small:
+            rank_zero_warn(
+                f"data.num_embeddings_per_feature: tables smaller than their vocabulary + 2: {', '.join(small[:4])}"
+                f"{' ...' if len(small) > 4 else ''}; contiguous ids are taken modulo the table size, so kept ids "
+                "share rows there (auto gives each its own)"
+            )
