@@ -6,7 +6,9 @@ process without TorchRec's distributed machinery::
     {"format": "app.export/1",
      "pytorch-lightning_version": "2.6.6",
      "hyper_parameters": {...},          # DLRMModule's __init__ arguments (plain data)
-     "state_dict": {name: tensor, ...}}  # DLRMModule.state_dict() keys, every table whole
+     "state_dict": {name: tensor, ...},  # DLRMModule.state_dict() keys, every table whole
+     "CriteoDataModule": {...}}          # only with data.frequency_threshold: the threshold and its
+                                         # vocabulary (26 int64 tensors), app/checkpoint/vocabulary.py
 
 Example::
 
@@ -43,6 +45,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from app.checkpoint.best import BEST, find_best_checkpoint
 from app.checkpoint.format import SafeFileSystemReader
 from app.checkpoint.format import read as read_checkpoint
+from app.checkpoint.vocabulary import exported_vocabulary
 
 EXPORT_FORMAT = "app.export/1"
 _MODEL_PREFIX = "state_dict."
@@ -96,6 +99,7 @@ def export_checkpoint(ckpt_path: str, output: str = "model.pt", checkpoint_dir: 
         "pytorch-lightning_version": lightning.__version__,
         "hyper_parameters": plain_hyper_parameters(hyper_parameters, source),
         "state_dict": state_dict,
+        **exported_vocabulary(info.meta),  # predict from this file maps ids as training did
     }
     target = Path(output).expanduser()
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,8 @@ A checkpoint named ``NAME`` (``last.ckpt``, ``epoch=1-step=80.ckpt``) is a symbo
 folder ``.NAME.<token>`` beside it, which holds:
 
     .metadata, __<rank>_0.distcp   every rank's shards of the model and optimizer state (DCP)
+    vocabulary/                    data.frequency_threshold's vocabulary, when the run had one
+                                   (app/checkpoint/vocabulary.py)
     meta.json                      plain data: loops, callbacks, hyper-parameters, the sharding
                                    plan, world size, versions; written last, by rank 0, so that
                                    its presence marks the folder complete
@@ -37,6 +39,7 @@ from torchrec.distributed.types import ShardingPlan
 
 from app.checkpoint.plan_json import plan_from_json, plan_to_json
 from app.checkpoint.reshard import load_resharded
+from app.checkpoint.vocabulary import load_vocabulary, save_vocabulary, trained_threshold
 
 META_FILE = "meta.json"  # written last: a folder without it is incomplete
 DCP_INDEX_FILE = ".metadata"
@@ -87,6 +90,7 @@ def save(
     collectives.barrier()  # every rank's shards are on disk
     if collectives.is_global_zero:
         meta = {key: value for key, value in checkpoint.items() if key not in _TENSOR_KEYS}
+        meta = save_vocabulary(meta, folder)  # its arrays as files beside meta.json, a reference in it
         meta["tensor_keys"] = sorted(tensors)
         meta["sharding_plan"] = plan_to_json(plan)
         meta["world_size"] = world_size
@@ -225,6 +229,7 @@ def read(path: str | os.PathLike, module: nn.Module | None = None) -> Checkpoint
     if meta.get("format_version") != FORMAT_VERSION:
         found = meta.get("format_version")
         raise ValueError(f"ckpt_path {path}: checkpoint format {found!r}, this app reads format {FORMAT_VERSION}")
+    meta = load_vocabulary(meta, folder, path)
     index = _read_dcp_index(path, folder)
     _check_shard_files(path, folder, index)
     if module is not None:
@@ -296,6 +301,8 @@ def check_fits_model(path: str | os.PathLike, index: Metadata, meta: dict[str, A
         return
     shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
     hparams = _differing_hyper_parameters(meta.get("hyper_parameters") or {}, getattr(module, "hparams", {}))
+    if threshold := trained_threshold(meta):  # table sizes there follow its vocabulary
+        hparams += f" (it was trained with data.frequency_threshold = {threshold}: its tables have that vocabulary's sizes + 2)"
     raise ValueError(f"ckpt_path {path} does not fit this model: {shown}{hparams}")
 
 
