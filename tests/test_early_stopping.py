@@ -47,6 +47,7 @@ def stopped(sample, tmp_path_factory) -> Path:
     (root / "early_stopping.yaml").write_text(EARLY_STOPPING_YAML)
     result = run_app("fit", *run_args(sample, root), "--config", str(root / "early_stopping.yaml"))
     assert result.returncode == 0, result.stderr[-3000:]
+    (root / "fit.log").write_text(result.stdout + result.stderr)
     return root
 
 
@@ -68,6 +69,8 @@ def test_fit_stops_after_patience_validations_without_a_better_val_auc(stopped):
     assert aucs.index(max(aucs)) == 2
     with (stopped / "csv" / "version_0" / "metrics.csv").open() as f:
         assert max(int(row["step"]) for row in csv.DictReader(f)) == 29  # no training after the stop
+    log = (stopped / "fit.log").read_text()
+    assert log.count("Monitored metric val/auc did not improve in the last 2 records. Best score: 0.670.") == 1
 
 
 def test_best_resolves_to_the_checkpoint_of_the_best_logged_val_auc(stopped):
@@ -91,6 +94,17 @@ def test_export_best_writes_the_best_checkpoint(stopped, tmp_path, capsys):
     export_main(["--ckpt_path", "best", "--checkpoint_dir", str(stopped / "checkpoints"), "--output", str(tmp_path / "m.pt")])
     best = stopped / "checkpoints" / "epoch=1-step=18.ckpt"
     assert f"exported 34 tensors from {best} to {tmp_path / 'm.pt'}" in capsys.readouterr().out
+
+
+@pytest.mark.filterwarnings("ignore:LightningCLI's args parameter", "ignore:Unable to enable fault handler")
+def test_fit_help_documents_the_group(capsys):
+    try:
+        cli_main(["fit", "--help"])
+    except SystemExit as exit_info:  # torchelastic's @record may turn exit(0) into a return
+        assert exit_info.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--early_stopping.monitor MONITOR the logged metric to watch, e.g. ``val/auc`` or ``val/logloss``; null (the default): off." in out
+    assert "--early_stopping.patience PATIENCE number of checks with no improvement" in out  # Lightning's own
 
 
 def refusal(args: list[str], capsys, monkeypatch) -> str:
