@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SAMPLE := data/sample/train.tsv
 
-.PHONY: setup run test test-gpu test-compat sample lint bench bench-data clean help
+.PHONY: setup run test test-gpu test-compat sample lint bench bench-data bench-quality clean help
 
 help:
 	@echo "make run    - set up .venv and train the demo (2 CPU processes, sharded embeddings)"
@@ -18,6 +18,7 @@ help:
 	@echo "make lint   - lint the Dockerfile with hadolint"
 	@echo "make bench  - the app and each speed lever against a plain TorchRec loop, side by side, then the demo's AUC with and without each lever (JSON lines; BENCH_ARGS=\"--preset NAME ...\", BENCH_QUALITY=0)"
 	@echo "make bench-data - data-path figures: raw->NumPy vs pandas, batches vs training, first vs cached fit, memory at 1M vs 10M rows (minutes)"
+	@echo "make bench-quality - the demo recipe beside a logistic-regression baseline on the bundled sample: val AUC, log loss, NE, calibration, best epoch, the generator's best AUC (JSON lines, minutes; QUALITY_BENCH_ARGS=\"--recipe FILE --train ... --val ...\")"
 
 setup: $(STAMP)
 
@@ -79,6 +80,13 @@ bench: setup
 
 bench-data: setup
 	$(PY) data/bench_data.py
+
+# The quality bench (docs/quality.md): a recipe and a hashed logistic regression trained on the same rows, scored
+# on the same validation rows; by default the demo recipe on the bundled sample. QUALITY_BENCH_ARGS passes it
+# arguments, e.g. QUALITY_BENCH_ARGS="--recipe configs/demo_dcn.yaml --epochs 3 --output runs/quality.jsonl".
+QUALITY_BENCH_ARGS ?=
+bench-quality: setup sample
+	$(PY) -m app.bench.quality $(QUALITY_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-compat-oldest .venv-compat-cudaimage .venv-compat-newest data/sample runs .pytest_cache
