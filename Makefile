@@ -86,7 +86,7 @@ bench-data: setup
 # arguments, e.g. QUALITY_BENCH_ARGS="--recipe configs/demo_dcn.yaml --epochs 3 --output runs/quality.jsonl".
 QUALITY_BENCH_ARGS ?=
 bench-quality: setup sample
-	$(PY) -m app.bench.quality $(QUALITY_BENCH_ARGS)
+	$(PY) -m app.quality $(QUALITY_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .venv-compat-oldest .venv-compat-cudaimage .venv-compat-newest data/sample runs .pytest_cache

@@ -21,6 +21,7 @@ LAYERS = [
     ["app.train", "app.checkpoint"],
     ["app.distributed"],
     ["app.cli", "app.preprocess", "app.bench"],
+    ["app.quality"],  # drives app.cli's commands (the recipe and its baseline)
     ["app.__main__"],
 ]
 LAYER_OF = {unit: index for index, layer in enumerate(LAYERS) for unit in layer}

@@ -90,8 +90,8 @@ def _parses(module: str, args: list[str]) -> None:
         from app.bench.quality_guard import build_parser as quality_guard_parser
 
         quality_guard_parser().parse_args(args)
-    elif module == "app.bench.quality":
-        from app.bench.quality.bench import quality_bench
+    elif module == "app.quality":
+        from app.quality.bench import quality_bench
 
         build_parser(quality_bench, module).parse_args(args)
     elif module in ("app.data.preprocess", "app.preprocess"):

@@ -1,4 +1,4 @@
-"""python -m app.bench.quality: a recipe and the logistic-regression baseline on the same rows."""
+"""python -m app.quality: a recipe and the logistic-regression baseline on the same rows."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 import torch
 import yaml
 
-from app.bench.quality import bench, planted
-from app.bench.quality.baseline import ROW_WIDTH, LogisticRegressionModule
-from app.bench.quality.runs import RunMetrics, best_validation
+from app.quality import bench, planted
+from app.quality.baseline import ROW_WIDTH, LogisticRegressionModule
+from app.quality.runs import RunMetrics, best_validation
 from app.data.batches import make_batch
 from app.data.source import RowBlock
 from app.data.synthetic import write_synthetic_criteo

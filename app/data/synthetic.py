@@ -126,6 +126,14 @@ def _world() -> _World:
     return _World(tuple(cdfs), tuple(hex_ids), tuple(effects), (a, b))
 
 
+def vocabulary_hex_ids() -> tuple[np.ndarray, ...]:
+    """Per categorical feature, the hex text written for each vocabulary id: (V, 8) uint8 (index = id).
+
+    For readers that map a written file back to the generator's ids (the quality bench's Bayes-optimal AUC).
+    """
+    return _world().hex_ids
+
+
 def _unique_hashes(rng: np.random.Generator, count: int) -> np.ndarray:
     """``count`` distinct random 32-bit values, so that two ids never share a hash."""
     values = rng.integers(0, 2**32, count + count // 8 + 16, dtype=np.uint64)

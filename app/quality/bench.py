@@ -1,8 +1,8 @@
-"""``python -m app.bench.quality``: a recipe's validation quality beside a logistic regression's.
+"""``python -m app.quality``: a recipe's validation quality beside a logistic regression's.
 
 Trains the recipe (a config for ``python -m app fit``) as ``make run`` does, through the app's
 command line in fresh processes, then the hashed logistic regression of
-:mod:`app.bench.quality.baseline` on the same rows and features: the recipe's resolved ``data`` and
+:mod:`app.quality.baseline` on the same rows and features: the recipe's resolved ``data`` and
 ``trainer`` sections (the same data module, table sizes, hashing, dense transform, batches,
 strategy and processes), one run per baseline learning rate. Both are scored by the app's metrics
 on the same validation rows; each run's best validation (by AUC) is kept. Prints one JSON line per
@@ -13,11 +13,11 @@ Bayes-optimal AUC on them, the most any model can reach.
 
 Examples::
 
-    python -m app.bench.quality                                   # configs/demo.yaml on the bundled sample
-    python -m app.bench.quality --recipe configs/demo_dcn.yaml --epochs 3
-    python -m app.bench.quality --train data/kaggle/days_0_5.tsv --val data/kaggle/day_6.tsv --output quality.jsonl
-    python -m app.bench.quality --recipe_args '[--data.batch_size, 2048]' --baseline_learning_rates '[0.05, 0.1, 0.2]'
-    python -m app.bench.quality --help
+    python -m app.quality                                   # configs/demo.yaml on the bundled sample
+    python -m app.quality --recipe configs/demo_dcn.yaml --epochs 3
+    python -m app.quality --train data/kaggle/days_0_5.tsv --val data/kaggle/day_6.tsv --output quality.jsonl
+    python -m app.quality --recipe_args '[--data.batch_size, 2048]' --baseline_learning_rates '[0.05, 0.1, 0.2]'
+    python -m app.quality --help
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ from typing import Any
 
 import yaml
 
-from app.bench.quality.baseline import BaselineOptimizer
-from app.bench.quality.planted import bayes_optimal_auc
-from app.bench.quality.runs import FinishedRun, best_validation, fit, read_metrics
+from app.quality.baseline import BaselineOptimizer
+from app.quality.planted import bayes_optimal_auc
+from app.quality.runs import FinishedRun, best_validation, fit, read_metrics
 from app.command import run_command
 from app.data.splits import split_files
 
-PROG = "python -m app.bench.quality"
+PROG = "python -m app.quality"
 RECIPE_MODULE = "app"
-BASELINE_MODULE = "app.bench.quality.baseline"
+BASELINE_MODULE = "app.quality.baseline"
 
 
 def quality_bench(
@@ -253,7 +253,7 @@ def _progress(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m app.bench.quality [OPTIONS]``; returns the exit status."""
+    """``python -m app.quality [OPTIONS]``; returns the exit status."""
     try:
         return run_command(quality_bench, PROG, argv)
     except RuntimeError as error:  # a run failed for another reason than a refused setting

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from app.data.splits import RowPart, part_rows
-from app.data.synthetic import _world, rank_auc, true_logits
+from app.data.synthetic import rank_auc, true_logits, vocabulary_hex_ids
 from app.data.tsv import NUM_DENSE, NUM_SPARSE, CriteoArrays, OnBadRows, iter_tsv_chunks, read_tsv_files
 
 # Table sizes that leave the reader's 32-bit hashed ids as they are written (id mod 2**32 = id).
@@ -36,7 +36,7 @@ def world_id_hashes() -> tuple[np.ndarray, ...]:
     The generator keeps them as hex text only (what it writes); decoded here with numpy.
     """
     hashes = []
-    for hex_text in _world().hex_ids:
+    for hex_text in vocabulary_hex_ids():
         digits = hex_text.astype(np.int64)
         nibbles = np.where(digits >= ord("a"), digits - ord("a") + 10, digits - ord("0")).astype(np.uint64)
         shifts = np.arange(28, -4, -4, dtype=np.uint64)

@@ -1,11 +1,11 @@
 """The quality bench's bar: a hashed logistic regression, trained by the app's own CLI and strategy.
 
-``python -m app.bench.quality.baseline fit --config FILE`` is ``python -m app fit`` with this module's
+``python -m app.quality.baseline fit --config FILE`` is ``python -m app fit`` with this module's
 :class:`LogisticRegressionModule` in place of the DLRM: the same data module (the same hashing of
 ids into the same table sizes, the same dense transform, the same batches), the same TorchRec
 strategy (tables sharded by the planner, the embedding optimizer fused into FBGEMM's backward) and
 the same metrics (app/train/metrics.py). The quality bench writes its config from the recipe's
-(``python -m app.bench.quality``); it runs on its own for a baseline of any data the app reads.
+(``python -m app.quality``); it runs on its own for a baseline of any data the app reads.
 
 The model is logistic regression over one-hot ids and the dense features: an embedding table per
 categorical feature whose row for an id, summed, is that id's weight; a linear layer over the 13
