@@ -175,3 +175,31 @@ def test_the_float32_logit_layer_keeps_the_parameters_and_the_random_stream():
     assert layer.weight is linear.weight and layer.bias is linear.bias
     features = torch.randn(3, 4)
     assert torch.equal(layer(features), linear(features))  # float32 without autocast: the same layer
+
+
+@pytest.mark.parametrize("interaction", INTERACTIONS)
+def test_first_order_adds_each_ids_first_embedding_component_to_the_logit(interaction):
+    sizes = dict(
+        embedding_dim=8,
+        num_embeddings_per_feature=[10] * 26,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
+        dcn_num_layers=2,
+        dcn_low_rank_dim=4,
+        interaction_branch1_layer_sizes=[32, 16],
+        interaction_branch2_layer_sizes=[32, 24],
+        embedding_device="cpu",
+    )
+    plain = build_dlrm(interaction=interaction, **sizes)
+    with_bias = build_dlrm(interaction=interaction, first_order=True, **sizes)
+    # The same parameters under the same names: checkpoints move between the two.
+    assert list(with_bias.state_dict()) == list(plain.state_dict())
+    with_bias.load_state_dict(plain.state_dict())
+    batch = _batch()
+    tables = plain.sparse_arch.embedding_bag_collection.embedding_bags
+    ids = batch.sparse_features.values().view(26, -1)  # one id per feature and row, feature-major
+    expected_bias = sum(tables[f"t_cat_{j}"].weight[ids[j], 0] for j in range(26))
+    with torch.no_grad():
+        difference = with_bias(batch.dense_features, batch.sparse_features) - plain(batch.dense_features, batch.sparse_features)
+    torch.testing.assert_close(difference.squeeze(1), expected_bias, rtol=0, atol=1e-6)
+    assert type(with_bias).__name__.endswith("WithFirstOrder")

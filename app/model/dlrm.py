@@ -119,6 +119,36 @@ class Float32Linear(nn.Linear):
             return nn.functional.linear(features.to(dtype), self.weight.to(dtype), bias)
 
 
+class FirstOrderTerm:
+    """Mixin for TorchRec's DLRM classes: the click logit plus, per sparse feature, the first component of the
+    looked-up (pooled) embedding -- a learned bias per id, a factorization machine's first-order term.
+
+    DLRM itself has no per-id bias: an id's own effect on the click must pass through dot products with the
+    bottom MLP's output or the other embeddings, which it learns slowly and noisily. On Criteo-like data most
+    of the signal is such first-order effects (a logistic regression on the ids alone is a strong baseline;
+    docs/quality.md). The bias is the embedding's first component rather than a second one-wide table: no
+    extra lookup, all-to-all or checkpoint key (FBGEMM's kernels also refuse tables narrower than 4). Same
+    forward as ``DLRM.forward`` otherwise, so TorchRec's pipelines trace it as they trace DLRM.
+    """
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: Any) -> torch.Tensor:
+        embedded_dense = self.dense_arch(dense_features)
+        embedded_sparse = self.sparse_arch(sparse_features)  # (B, F, D)
+        features = self.inter_arch(dense_features=embedded_dense, sparse_features=embedded_sparse)
+        first_order = embedded_sparse[:, :, 0].sum(dim=1, keepdim=True)
+        return self.over_arch(features) + first_order.to(torch.promote_types(first_order.dtype, torch.float32))
+
+
+_FIRST_ORDER_CLASSES: dict[type, type] = {}
+
+
+def with_first_order_term(model_class: type[DLRM]) -> type[DLRM]:
+    """``model_class`` with :class:`FirstOrderTerm`'s forward (one class per DLRM variant, made once)."""
+    if model_class not in _FIRST_ORDER_CLASSES:
+        _FIRST_ORDER_CLASSES[model_class] = type(f"{model_class.__name__}WithFirstOrder", (FirstOrderTerm, model_class), {})
+    return _FIRST_ORDER_CLASSES[model_class]
+
+
 def compute_logit_in_float32(model: DLRM) -> DLRM:
     """Makes the top MLP's last layer (TorchRec's ``OverArch``: an MLP, then one Linear) a ``Float32Linear``."""
     layers = model.over_arch.model
@@ -196,9 +226,10 @@ def build_dlrm(
     interaction_branch2_layer_sizes: Sequence[int] = (2048, 2048),
     embedding_device: torch.device | str = "meta",
     embedding_precision: EmbeddingPrecision = "fp32",
+    first_order: bool = False,
 ) -> DLRM:
     """Builds a DLRM with the chosen interaction; the embedding tables, in ``embedding_precision``, are left
-    on ``embedding_device``.
+    on ``embedding_device``. ``first_order`` adds each id's bias to the logit (:class:`FirstOrderTerm`).
 
     Raises:
         ValueError: naming the setting, for an unknown interaction or inconsistent layer sizes.
@@ -212,13 +243,16 @@ def build_dlrm(
         dense_arch_layer_sizes=list(dense_arch_layer_sizes),
         over_arch_layer_sizes=list(over_arch_layer_sizes),
     )
+    def variant(model_class: type[DLRM]) -> type[DLRM]:
+        return with_first_order_term(model_class) if first_order else model_class
+
     if interaction == "dot":
-        return compute_logit_in_float32(DLRM(**common))
+        return compute_logit_in_float32(variant(DLRM)(**common))
     if interaction == "cat":
-        return compute_logit_in_float32(DLRMConcat(**common))
+        return compute_logit_in_float32(variant(DLRMConcat)(**common))
     if interaction == "dcn":
         return compute_logit_in_float32(
-            DLRM_DCN(**common, dcn_num_layers=dcn_num_layers, dcn_low_rank_dim=dcn_low_rank_dim)
+            variant(DLRM_DCN)(**common, dcn_num_layers=dcn_num_layers, dcn_low_rank_dim=dcn_low_rank_dim)
         )
     for name, sizes in (
         ("interaction_branch1_layer_sizes", interaction_branch1_layer_sizes),
@@ -227,7 +261,7 @@ def build_dlrm(
         if sizes[-1] % embedding_dim:
             raise ValueError(f"model.{name}[-1] = {sizes[-1]} must be a multiple of embedding_dim = {embedding_dim}")
     return compute_logit_in_float32(
-        DLRM_Projection(
+        variant(DLRM_Projection)(
             **common,
             interaction_branch1_layer_sizes=list(interaction_branch1_layer_sizes),
             interaction_branch2_layer_sizes=list(interaction_branch2_layer_sizes),

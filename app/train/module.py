@@ -109,6 +109,9 @@ class DLRMModule(LightningModule):
         embedding_precision: ``fp32`` or ``fp16`` weights of the embedding tables in FBGEMM's kernels
             (fp16: half the memory and half the lookup bytes, with stochastic rounding of the updates;
             GPUs only: FBGEMM's CPU kernels round fp16 updates to nearest, refused on CPU).
+        first_order: add to the click logit, per feature, the first component of the id's embedding: a
+            learned bias per id (a factorization machine's first-order term; DLRM has none), at no extra
+            lookup. Measured on data whose truth has per-id effects: see docs/quality.md.
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class DLRMModule(LightningModule):
         lr_decay_end_factor: float = 0.0,
         compile: bool = False,
         embedding_precision: EmbeddingPrecision = "fp32",
+        first_order: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -169,6 +173,7 @@ class DLRMModule(LightningModule):
             interaction_branch2_layer_sizes=interaction_branch2_layer_sizes,
             embedding_device="meta",
             embedding_precision=embedding_precision,
+            first_order=first_order,
         )
         self._first_compiled_step = FirstStepTimer()
         # Set before sharding: the sharder reads it to build the update into the embedding kernels.
