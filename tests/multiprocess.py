@@ -19,6 +19,15 @@ import torch.multiprocessing as mp
 
 Inspect = Callable[[Any], dict[str, Any]]
 
+# configs/demo.yaml's training settings before its quality settings (docs/quality.md), for tests built on
+# the demo whose exact values, steps or validation counts were worked out with them: row-wise Adagrad, no
+# per-id bias, no frequency threshold, one validation per epoch, no early stopping (Lightning's defaults).
+DEMO_BEFORE_QUALITY_SETTINGS = [
+    "--model.first_order", "false", "--model.sparse_optimizer", "row_wise_adagrad",
+    "--data.frequency_threshold", "0", "--trainer.val_check_interval", "1.0",
+    "--early_stopping.monitor", "null", "--early_stopping.mode", "min",
+]  # fmt: skip
+
 
 def free_port() -> int:
     with socket.socket() as sock:

@@ -18,7 +18,7 @@ import pytest
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 
 from app.distributed.launch import check_launch
-from multiprocess import free_port
+from multiprocess import DEMO_BEFORE_QUALITY_SETTINGS, free_port
 
 HARD_LIMIT_S = 150  # far above start-up (~10-30 s on a busy 2-core machine) + the timeouts below
 TESTS = Path(__file__).resolve().parent
@@ -26,7 +26,7 @@ TESTS = Path(__file__).resolve().parent
 
 def app_args(sample: dict[str, Path], root: Path, *extra: str) -> list[str]:
     return [
-        "fit", "--config", "configs/demo.yaml",
+        "fit", "--config", "configs/demo.yaml", *DEMO_BEFORE_QUALITY_SETTINGS,
         "--data.train", str(sample["train"]), "--data.val", str(sample["val"]),
         "--data.test", "null", "--data.predict", "null",
         "--data.batch_size", "64", "--data.num_embeddings_per_feature", "500",

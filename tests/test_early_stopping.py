@@ -14,6 +14,7 @@ import pytest
 from app.checkpoint.best import find_best_checkpoint
 from app.checkpoint.export import main as export_main
 from app.cli import cli_main
+from multiprocess import DEMO_BEFORE_QUALITY_SETTINGS
 from test_checkpoint_runs import run_app
 
 PATIENCE = 2
@@ -23,7 +24,7 @@ EARLY_STOPPING_YAML = f"early_stopping:\n  monitor: val/auc\n  mode: max\n  pati
 def run_args(sample: dict[str, Path], root: Path) -> list[str]:
     """A tiny model on 1,536 rows: 12 steps per epoch on 2 processes, a validation every 6 steps."""
     return [
-        "--config", "configs/demo.yaml",
+        "--config", "configs/demo.yaml", *DEMO_BEFORE_QUALITY_SETTINGS,
         "--data.train", str(sample["train"]), "--data.val", str(sample["val"]),
         "--data.test", "null", "--data.predict", "null", "--data.cache_dir", str(root / "cache"),
         "--data.batch_size", "64", "--data.num_embeddings_per_feature", "500",

@@ -12,7 +12,7 @@ from torchmetrics.classification import BinaryAUROC
 
 from app.data.synthetic import rank_auc, write_synthetic_criteo
 from app.train.metrics import BinnedAUROC, Calibration, build_eval_metrics, check_exact_auc_memory, sync_exact_auc_through
-from multiprocess import run_on_ranks
+from multiprocess import DEMO_BEFORE_QUALITY_SETTINGS, run_on_ranks
 
 
 def _predictions(num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +97,7 @@ def test_distributed_metrics_equal_one_process_metrics_of_the_same_predictions(w
     val = tmp_path / "val.tsv"
     write_synthetic_criteo(val, num_rows=301, seed=12)  # 301 rows: uneven over 2 and 3 ranks and batches of 64
     args = [
-        "validate", "--config", "configs/demo.yaml", "--data.train", "null", "--data.val", str(val),
+        "validate", "--config", "configs/demo.yaml", *DEMO_BEFORE_QUALITY_SETTINGS, "--data.train", "null", "--data.val", str(val),
         "--data.test", "null", "--data.predict", "null", "--data.batch_size", "64",
         "--data.num_embeddings_per_feature", "500", "--model.embedding_dim", "8",
         "--model.dense_arch_layer_sizes", "[16, 8]", "--model.over_arch_layer_sizes", "[16, 1]",
