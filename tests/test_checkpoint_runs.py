@@ -19,6 +19,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from app.checkpoint import format as checkpoint_format
+from multiprocess import DEMO_BEFORE_QUALITY_SETTINGS
+
 TIMEOUT_S = 300
 # Launcher settings an in-process CLI test may have left in this process's environment: each run here
 # lets Lightning's launcher choose its own free port.
@@ -39,7 +41,7 @@ def run_app(*args: str) -> subprocess.CompletedProcess:
 def fit_args(sample: dict[str, Path], root: Path) -> list[str]:
     """A tiny model, 12 steps per epoch, 3 epochs, last.ckpt every 4 steps, both loggers."""
     return [
-        "fit", "--config", "configs/demo.yaml",
+        "fit", "--config", "configs/demo.yaml", *DEMO_BEFORE_QUALITY_SETTINGS,
         "--data.train", str(sample["train"]), "--data.val", str(sample["val"]),
         "--data.test", "null", "--data.predict", "null",
         "--data.batch_size", "64", "--data.num_embeddings_per_feature", "500",

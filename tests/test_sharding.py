@@ -12,7 +12,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from app.data.batches import make_batch
 from app.data.tsv import read_tsv
-from multiprocess import run_on_ranks
+from multiprocess import DEMO_BEFORE_QUALITY_SETTINGS, run_on_ranks
 
 TABLE_SIZE = 500
 EMBEDDING_DIM = 8
@@ -22,7 +22,7 @@ NUM_TABLES = 26
 def fit_args(sample: dict[str, Path], root: Path, sharding_type: str, batch_size_per_rank: int) -> list[str]:
     return [
         "fit",
-        "--config", "configs/demo.yaml",
+        "--config", "configs/demo.yaml", *DEMO_BEFORE_QUALITY_SETTINGS,
         "--data.train", str(sample["train"]),
         "--data.val", str(sample["val"]),
         "--data.test", "null",
