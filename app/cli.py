@@ -133,9 +133,15 @@ def cli_main(args: list[str] | None = None) -> DLRMCLI:
     if moved is not None:
         print(f"error: {moved}", file=sys.stderr)
         raise SystemExit(2)
+    return run_cli(DLRMModule, args)
+
+
+def run_cli(model_class: type, args: list[str] | None = None) -> DLRMCLI:
+    """``DLRMCLI`` with ``model_class`` as the model (the DLRM, or the quality bench's baseline) and the app's
+    defaults; a bad setting or file ends the command with one ``error:`` line and exit status 2."""
     try:
         return DLRMCLI(
-            DLRMModule,
+            model_class,
             CriteoDataModule,
             trainer_defaults={
                 "strategy": {"class_path": "app.distributed.strategy.TorchRecStrategy"},

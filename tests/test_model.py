@@ -15,6 +15,20 @@ from app.model.tables import expand_table_sizes
 from app.train.metrics import LogLoss, NormalizedEntropy
 
 
+# Every interaction's settings, small: 26 tables of 10 rows x 8 on the CPU.
+SMALL_DLRM = dict(
+    embedding_dim=8,
+    num_embeddings_per_feature=[10] * 26,
+    dense_arch_layer_sizes=[16, 8],
+    over_arch_layer_sizes=[16, 1],
+    dcn_num_layers=2,
+    dcn_low_rank_dim=4,
+    interaction_branch1_layer_sizes=[32, 16],
+    interaction_branch2_layer_sizes=[32, 24],
+    embedding_device="cpu",
+)
+
+
 def _batch(batch_size: int = 5):
     rng = np.random.default_rng(0)
     block = RowBlock(
@@ -28,18 +42,7 @@ def _batch(batch_size: int = 5):
 @pytest.mark.parametrize("interaction", INTERACTIONS)
 def test_every_interaction_gives_one_logit_per_row(interaction):
     torch.manual_seed(0)
-    model = build_dlrm(
-        interaction=interaction,
-        embedding_dim=8,
-        num_embeddings_per_feature=[10] * 26,
-        dense_arch_layer_sizes=[16, 8],
-        over_arch_layer_sizes=[16, 1],
-        dcn_num_layers=2,
-        dcn_low_rank_dim=4,
-        interaction_branch1_layer_sizes=[32, 16],
-        interaction_branch2_layer_sizes=[32, 24],
-        embedding_device="cpu",
-    )
+    model = build_dlrm(interaction=interaction, **SMALL_DLRM)
     batch = _batch()
     logits = model(batch.dense_features, batch.sparse_features)
     assert logits.shape == (5, 1)
@@ -179,19 +182,8 @@ def test_the_float32_logit_layer_keeps_the_parameters_and_the_random_stream():
 
 @pytest.mark.parametrize("interaction", INTERACTIONS)
 def test_first_order_adds_each_ids_first_embedding_component_to_the_logit(interaction):
-    sizes = dict(
-        embedding_dim=8,
-        num_embeddings_per_feature=[10] * 26,
-        dense_arch_layer_sizes=[16, 8],
-        over_arch_layer_sizes=[16, 1],
-        dcn_num_layers=2,
-        dcn_low_rank_dim=4,
-        interaction_branch1_layer_sizes=[32, 16],
-        interaction_branch2_layer_sizes=[32, 24],
-        embedding_device="cpu",
-    )
-    plain = build_dlrm(interaction=interaction, **sizes)
-    with_bias = build_dlrm(interaction=interaction, first_order=True, **sizes)
+    plain = build_dlrm(interaction=interaction, **SMALL_DLRM)
+    with_bias = build_dlrm(interaction=interaction, first_order=True, **SMALL_DLRM)
     # The same parameters under the same names: checkpoints move between the two.
     assert list(with_bias.state_dict()) == list(plain.state_dict())
     with_bias.load_state_dict(plain.state_dict())

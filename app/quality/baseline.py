@@ -23,8 +23,6 @@ TorchRec's small uniform draws.
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Any, Literal
 
 import torch
@@ -32,10 +30,8 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torchmetrics import MetricCollection
 
-from app.cli import DLRMCLI
-from app.command import USER_ERRORS
+from app.cli import run_cli
 from app.data.batches import CriteoBatch
-from app.data.datamodule import CriteoDataModule
 from app.model.dlrm import NUM_DENSE_FEATURES, build_embedding_bag_collection
 from app.model.tables import expand_table_sizes
 from app.notices import silence_library_notices
@@ -142,24 +138,7 @@ def baseline_cli(args: list[str] | None = None) -> Any:
     """``python -m app fit|validate|test`` with the logistic regression as the model: the app's CLI
     class (its checkpoint group, callbacks, table sizes linked from the data) and defaults."""
     silence_library_notices()
-    try:
-        return DLRMCLI(
-            LogisticRegressionModule,
-            CriteoDataModule,
-            trainer_defaults={
-                "strategy": {"class_path": "app.distributed.strategy.TorchRecStrategy"},
-                "default_root_dir": "runs",
-            },
-            seed_everything_default=0,
-            save_config_kwargs={"overwrite": True},
-            auto_configure_optimizers=False,
-            args=args,
-        )
-    except USER_ERRORS as error:
-        if os.environ.get("APP_TRACEBACK"):
-            raise
-        print(f"error: {error}\n(set APP_TRACEBACK=1 to see the traceback)", file=sys.stderr)
-        raise SystemExit(2) from None
+    return run_cli(LogisticRegressionModule, args)
 
 
 if __name__ == "__main__":
