@@ -12,6 +12,7 @@ from app.bench.data import RandomData
 from app.bench.dataset import DatasetInput
 from app.distributed.sharding import TableConstraint, validate_fused_optimizer, validate_sharding_request
 from app.model.dlrm import build_embedding_bag_collection, validate_dlrm_sizes
+from app.train.metrics import available_host_bytes
 from app.train.optimizers import fuse_sparse_optimizer
 
 Side = Literal["app", "raw", "raw_base"]
@@ -142,7 +143,10 @@ def _check_tables_fit(spec: BenchSpec, rows: list[int], embedding_dim: int, spar
         available = sum(torch.cuda.get_device_properties(i).total_memory for i in range(spec.run.world_size))
         where = f"{spec.run.world_size} GPUs"
     else:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        # MemAvailable (free + reclaimable page cache), not the free pages alone: after reading or
+        # writing a few GB of files the page cache holds most of the memory, and would refuse a bench
+        # that fits.
+        available = available_host_bytes() or os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         where = "available host memory"
     if needed > available:
         raise ValueError(
