@@ -27,6 +27,7 @@ import os
 import pickle
 import shutil
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -134,10 +135,17 @@ def _publish(folder: Path, link: Path) -> None:
 def _remove_unlinked_folders(link: Path) -> None:
     # Folders of ``link``'s name it no longer points at: the previous checkpoint, and any left by a
     # save that crashed before it published.
+    # Runs after the new checkpoint is published: a folder that cannot be removed now (on NFS, a file
+    # another client still holds open becomes a ``.nfs*`` file that rmtree cannot delete) is left for the
+    # next save's pass, never failing a save that has already succeeded.
     current = os.readlink(link) if link.is_symlink() else None
     for folder in link.parent.glob(f".{_glob_escape(link.name)}.*"):
-        if folder.name != current:
+        if folder.name == current:
+            continue
+        try:
             shutil.rmtree(folder) if folder.is_dir() and not folder.is_symlink() else folder.unlink()
+        except OSError as error:
+            warnings.warn(f"could not remove the old checkpoint folder {folder} ({error}); the next save retries", stacklevel=2)
 
 
 def _glob_escape(name: str) -> str:

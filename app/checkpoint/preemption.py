@@ -24,7 +24,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 _SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1}
 
@@ -127,10 +127,22 @@ class SaveOnSignal(Callback):
             self._loop_without_broadcast = None
 
 
+SCONTROL_MISSING = 127  # the shell's status for a command not found
+
+
 def requeue_slurm_job() -> int:
-    """Puts this SLURM job back in the queue (``scontrol requeue``); returns scontrol's exit code."""
+    """Puts this SLURM job back in the queue (``scontrol requeue``); returns scontrol's exit code
+    (``SCONTROL_MISSING`` where there is no scontrol: a warning, not an error -- the checkpoint is saved)."""
     array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
     job_id = f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}" if array_job else os.environ["SLURM_JOB_ID"]
-    result = subprocess.run(["scontrol", "requeue", job_id], check=False).returncode
+    try:
+        result = subprocess.run(["scontrol", "requeue", job_id], check=False).returncode
+    except FileNotFoundError:
+        # Containers often lack SLURM's client tools. Lightning's own handler catches this too.
+        rank_zero_warn(
+            f"scontrol is not on PATH here: SLURM job {job_id} was not requeued; its checkpoint is saved, "
+            "resubmit it with --ckpt_path last (or mount SLURM's tools into the container)"
+        )
+        return SCONTROL_MISSING
     rank_zero_info(f"requeued SLURM job {job_id}" if result == 0 else f"scontrol requeue {job_id} failed ({result})")
     return result
