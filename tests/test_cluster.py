@@ -101,6 +101,19 @@ def test_an_srun_with_fewer_tasks_than_devices_x_nodes_is_refused_before_trainin
     assert "Traceback" not in log
 
 
+@pytest.mark.parametrize("job_name", ["interactive", "bash"])
+def test_srun_tasks_of_a_job_name_that_turns_slurm_detection_off_are_refused(job_name, sample, tmp_path):
+    # Task 0 of 2 that srun started for a job Lightning does not see as SLURM's: without the check it
+    # would start a second process of its own, and so would task 1.
+    tasks = {**SLURM_ONE_TASK, "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2", "SLURM_JOB_NAME": job_name}
+    process = start([sys.executable, "-m", "app", *app_args(sample, tmp_path, "--trainer.devices", "2")],
+                    tmp_path / "log", **tasks)  # fmt: skip
+    returncode, log = finish(process, tmp_path / "log")
+    assert returncode == 2, log[-3000:]
+    assert f"error: srun started 2 tasks of a job named '{job_name}', a name for which Lightning does not detect SLURM" in log
+    assert "Traceback" not in log
+
+
 def test_torchrun_with_another_world_size_than_devices_x_nodes_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match=r"^TorchElasticEnvironment started 3 processes, but trainer.devices x "

@@ -30,7 +30,8 @@ def set_collective_error_defaults() -> None:
 
 def check_launch(environment: ClusterEnvironment, devices: int, num_nodes: int) -> None:
     """Raises ValueError when an external launcher started another number of processes than
-    ``devices`` x ``num_nodes``."""
+    ``devices`` x ``num_nodes``, or when srun started several tasks that Lightning does not see as SLURM's."""
+    check_slurm_detected(environment)
     # Lightning's own launcher (and its children) start exactly devices x num_nodes by construction.
     if not environment.creates_processes_externally or isinstance(environment, LightningEnvironment):
         return
@@ -44,3 +45,18 @@ def check_launch(environment: ClusterEnvironment, devices: int, num_nodes: int) 
             f"--ntasks-per-node={devices} / torchrun --nproc_per_node {devices}) or change the config"
         )
     environment.validate_settings(num_devices=devices, num_nodes=num_nodes)
+
+
+def check_slurm_detected(environment: ClusterEnvironment) -> None:
+    """Raises ValueError for srun tasks of a job named ``bash`` or ``interactive``: Lightning turns its SLURM
+    detection off for those names (so that another launcher can run inside an interactive allocation),
+    and every task would then start a launcher of its own, each with its own world of processes."""
+    step_tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or os.environ.get("SLURM_NTASKS") or 1)
+    launched_by_srun = "SLURM_PROCID" in os.environ and step_tasks > 1
+    job_name = SLURMEnvironment.job_name()
+    if launched_by_srun and job_name in ("bash", "interactive") and not isinstance(environment, SLURMEnvironment):
+        raise ValueError(
+            f"srun started {step_tasks} tasks of a job named {job_name!r}, a name for which Lightning does not "
+            "detect SLURM: each task would start its own processes. Give the job another name (sbatch/srun "
+            "--job-name=dlrm), or run one task that launches the rest (srun --ntasks=1 ... or torchrun)"
+        )
