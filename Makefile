@@ -112,7 +112,7 @@ COMPAT_TESTS := tests/test_sharding.py tests/test_resume.py tests/test_topology.
 		$$(grep -E '^torch==' requirements-compat-$*.txt)
 	sed -nE 's/^([A-Za-z0-9_.-]+)==.*/\1/p' requirements-compat-$*.txt > .venv-compat-$*/replaced.txt
 	grep -viE "^($$(paste -sd'|' .venv-compat-$*/replaced.txt))==" requirements.txt > .venv-compat-$*/requirements-app.txt
-	grep -E '^(pytest|iniconfig|pluggy|Pygments)==' requirements-dev.txt >> .venv-compat-$*/requirements-app.txt
+	grep -E '^(pytest|iniconfig|pluggy|Pygments|pytest-timeout)==' requirements-dev.txt >> .venv-compat-$*/requirements-app.txt
 	.venv-compat-$*/bin/python -m pip install --quiet --no-deps -r .venv-compat-$*/requirements-app.txt
 	.venv-compat-$*/bin/python -m pip install --quiet --no-deps -r requirements-compat-$*.txt
 	.venv-compat-$*/bin/python -c "import torch, fbgemm_gpu, torchrec, lightning; \
