@@ -34,7 +34,6 @@ import numpy as np
 from app.data.cache import CacheRequest, cached_days, cached_folder, read_metadata
 from app.data.numpy_days import NumpyDaysSource, day_paths, ids_as_int64
 from app.data.preprocess import (
-    FEATURE_OFFSETS,
     NUM_SPARSE,
     RAW_IDS,
     IdCounter,
@@ -126,32 +125,10 @@ def count_row_range(task: RowRange) -> int:
     counter = IdCounter()
     for a in range(task.start, task.stop, ROWS_PER_CHUNK):
         b = min(a + ROWS_PER_CHUNK, task.stop)
-        counter.add_counts(*_chunk_counts(sparse[a:b]))
+        counter.add_ids(ids_as_int64(sparse[a:b]))
         report_rows(b - a)
-    members = {}
-    for j, (ids, counts) in enumerate(counter.per_feature()):
-        members[f"ids_{j}"], members[f"counts_{j}"] = ids.astype(np.uint32), counts
-    save_npz_atomically(task.output, **members)
+    save_npz_atomically(task.output, **counter.npz_members())
     return task.stop - task.start
-
-
-def _chunk_counts(sparse: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted (feature, raw id) keys of a chunk of stored ids with their counts: one uint32 sort of
-    the transposed chunk covers the 26 features (cheaper than np.unique over int64 keys)."""
-    columns = np.ascontiguousarray(ids_as_int64(sparse).T, dtype=np.uint32)  # raw ids are 32-bit: exact
-    columns.sort(axis=1)
-    rows = columns.shape[1]
-    if rows == 0:
-        return np.empty(0, np.int64), np.empty(0, np.int64)
-    first = np.empty(columns.shape, dtype=bool)
-    first[:, 0] = True
-    np.not_equal(columns[:, 1:], columns[:, :-1], out=first[:, 1:])
-    keys, counts = [], []
-    for j in range(NUM_SPARSE):
-        starts = np.flatnonzero(first[j])
-        keys.append(columns[j, starts].astype(np.int64) + FEATURE_OFFSETS[j])
-        counts.append(np.diff(starts, append=rows))
-    return np.concatenate(keys), np.concatenate(counts)
 
 
 # ---- mapping ----------------------------------------------------------------------------------

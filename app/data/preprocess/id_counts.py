@@ -26,9 +26,25 @@ class IdCounter:
         self._pending_keys = 0
 
     def add_ids(self, ids: np.ndarray) -> None:
-        """Count a chunk of raw ids, int64 (rows, 26) in [0, 2**32)."""
-        keys, counts = np.unique((ids + FEATURE_OFFSETS).ravel(), return_counts=True)
-        self.add_counts(keys, counts)
+        """Count a chunk of raw ids, (rows, 26) in [0, 2**32).
+
+        One uint32 sort of the transposed chunk covers the 26 features, cheaper than np.unique over
+        int64 (feature, id) keys; the keys come out sorted by feature, then id, as np.unique's would.
+        """
+        columns = np.ascontiguousarray(np.asarray(ids).T, dtype=np.uint32)  # raw ids are 32-bit: exact
+        columns.sort(axis=1)
+        rows = columns.shape[1]
+        if rows == 0:
+            return
+        first = np.empty(columns.shape, dtype=bool)
+        first[:, 0] = True
+        np.not_equal(columns[:, 1:], columns[:, :-1], out=first[:, 1:])
+        keys, counts = [], []
+        for j in range(NUM_SPARSE):
+            starts = np.flatnonzero(first[j])
+            keys.append(columns[j, starts].astype(np.int64) + FEATURE_OFFSETS[j])
+            counts.append(np.diff(starts, append=rows))
+        self.add_counts(np.concatenate(keys), np.concatenate(counts))
 
     def add_counts(self, keys: np.ndarray, counts: np.ndarray) -> None:
         """Add sorted unique keys with their counts (e.g. another counter's)."""
@@ -58,6 +74,13 @@ class IdCounter:
             (self.keys[a:b] - FEATURE_OFFSETS[j], self.counts[a:b])
             for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))
         ]
+
+    def npz_members(self) -> dict[str, np.ndarray]:
+        """``ids_j`` (uint32) and ``counts_j`` per feature: how a pass saves its counts for the vocabulary."""
+        members = {}
+        for j, (ids, counts) in enumerate(self.per_feature()):
+            members[f"ids_{j}"], members[f"counts_{j}"] = ids.astype(np.uint32), counts
+        return members
 
 
 class DistinctIds:

@@ -94,10 +94,7 @@ def count_ids(task: DayTask) -> DayResult:
         counter.add_ids(arrays.sparse)
         rows += len(arrays)
         report_rows(len(arrays))
-    members = {}
-    for j, (ids, counts) in enumerate(counter.per_feature()):
-        members[f"ids_{j}"], members[f"counts_{j}"] = ids.astype(np.uint32), counts
-    save_npz_atomically(task.path("id_counts.npz"), info=np.array(json.dumps(input_info(task))), **members)
+    save_npz_atomically(task.path("id_counts.npz"), info=np.array(json.dumps(input_info(task))), **counter.npz_members())
     return DayResult(task.day, rows, time.perf_counter() - started)
 
 
