@@ -50,6 +50,9 @@ def _on_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
         order = torch.randperm(len(row_ids), generator=torch.Generator().manual_seed(rank))
         parts = [{"row_ids": row_ids[order][i::2], "probabilities": probabilities[order][i::2]} for i in range(2)]
         result["gathered"] = gather_predictions_to_rank_zero(parts, group)
+        # Both ranks past their last collective before either tears gloo down: a rank whose peer closed
+        # the sockets under a send still in flight aborts ("terminate called without an active exception").
+        dist.barrier(group)
     finally:
         dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
