@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torchmetrics.classification import BinaryAUROC
 
 from app.data.synthetic import rank_auc, write_synthetic_criteo
-from app.train.metrics import BinnedAUROC, Calibration, build_eval_metrics, check_exact_auc_memory, sync_exact_auc_through
+from app.data.batches import PADDING_ROW_ID
+from app.train.metrics import BinnedAUROC, Calibration, LogLoss, build_eval_metrics, check_exact_auc_memory, sync_exact_auc_through
 from multiprocess import DEMO_BEFORE_QUALITY_SETTINGS, run_on_ranks
 
 
@@ -74,49 +75,71 @@ def test_an_unknown_mode_names_the_setting():
 
 def _evaluated_predictions(cli) -> dict:
     """Every rank's validation predictions as the eval loop made them (same batches, same order),
-    gathered, then the same set evaluated again with the binned AUC through trainer.validate."""
+    gathered, with the number of padding rows the ranks' batches held, then the same set evaluated
+    again with the binned AUC through trainer.validate."""
     module, trainer = cli.trainer.lightning_module, cli.trainer
     logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
     module.eval()
-    mine = []
+    mine, num_padding_rows = [], 0
     with torch.no_grad():
         for batch in cli.datamodule.val_dataloader():
             valid = batch.valid_rows
             mine.append((batch.row_ids[valid], torch.sigmoid(module(batch))[valid], batch.labels[valid]))
+            num_padding_rows += int((batch.row_ids == PADDING_ROW_ID).sum())
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, [tuple(t.numpy() for t in part) for part in mine])
-    row_ids, probabilities, labels = (np.concatenate([p[i] for rank in gathered for p in rank]) for i in range(3))
+    dist.all_gather_object(gathered, ([tuple(t.numpy() for t in part) for part in mine], num_padding_rows))
+    row_ids, probabilities, labels = (np.concatenate([p[i] for rank, _ in gathered for p in rank]) for i in range(3))
     module.val_metrics = build_eval_metrics("val/", "binned", 100)
     trainer.validate(module, datamodule=cli.datamodule, verbose=False)
     binned = {k: float(v) for k, v in trainer.callback_metrics.items()}
-    return {"logged": logged, "binned": binned, "row_ids": row_ids, "probabilities": probabilities, "labels": labels}
+    return {"logged": logged, "binned": binned, "row_ids": row_ids, "probabilities": probabilities, "labels": labels,
+            "padding_rows_per_rank": [padding for _, padding in gathered]}  # fmt: skip
 
 
-@pytest.mark.parametrize("world_size", [3])  # 301 rows split unevenly over 3 ranks and their batches
-def test_distributed_metrics_equal_one_process_metrics_of_the_same_predictions(world_size, tmp_path):
+def _one_process_metrics(probabilities: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """AUC and log loss of the rows on one process, through the same metric classes without any sync."""
+    p, y = torch.from_numpy(probabilities), torch.from_numpy(labels).long()
+    log_loss = LogLoss()
+    log_loss.update(p, y)
+    return {"val/auc": float(BinaryAUROC()(p, y)), "val/logloss": float(log_loss.compute())}
+
+
+# 257 rows over 2 ranks in batches of 64: steps of 128, 128 and 1 row, so in the third step rank 1 has
+# no real row and gets one padding row (a copy of row 0, row id -1) to keep the ranks' steps equal.
+VAL_ROWS, BATCH_SIZE_PER_RANK = 257, 64
+
+
+def test_distributed_metrics_leave_the_padding_out_and_equal_one_process_metrics(tmp_path):
     val = tmp_path / "val.tsv"
-    write_synthetic_criteo(val, num_rows=301, seed=12)  # 301 rows: uneven over 2 and 3 ranks and batches of 64
+    write_synthetic_criteo(val, num_rows=VAL_ROWS, seed=12)
     args = [
         "validate", "--config", "configs/demo.yaml", *DEMO_BEFORE_QUALITY_SETTINGS, "--data.train", "null", "--data.val", str(val),
-        "--data.test", "null", "--data.predict", "null", "--data.batch_size", "64",
+        "--data.test", "null", "--data.predict", "null", "--data.batch_size", str(BATCH_SIZE_PER_RANK),
         "--data.num_embeddings_per_feature", "500", "--model.embedding_dim", "8",
         "--model.dense_arch_layer_sizes", "[16, 8]", "--model.over_arch_layer_sizes", "[16, 1]",
         "--trainer.logger", "false", "--trainer.callbacks", "[]", "--trainer.enable_progress_bar", "false",
         "--trainer.default_root_dir", str(tmp_path),
     ]  # fmt: skip
-    result = run_on_ranks(world_size, args, tmp_path, _evaluated_predictions)[0]
+    result = run_on_ranks(2, args, tmp_path, _evaluated_predictions)[0]
 
-    assert sorted(result["row_ids"].tolist()) == list(range(301))  # every row once, padding left out
-    p, y = result["probabilities"].astype(np.float64), result["labels"]
+    assert result["padding_rows_per_rank"] == [0, 1]  # the case under test: rank 1's last batch is padding
+    order = np.argsort(result["row_ids"])  # gathered rank after rank
+    assert result["row_ids"][order].tolist() == list(range(VAL_ROWS))  # every real row once, padding left out
+    p, y = result["probabilities"][order], result["labels"][order]
     logged = result["logged"]
-    assert logged["val/auc"] == pytest.approx(rank_auc(p, y), abs=1e-7)
+    # Over 2 ranks exactly what one process computes from the real rows alone ...
+    real_rows_only = _one_process_metrics(p, y)
+    assert {name: logged[name] for name in real_rows_only} == real_rows_only
+    # ... which the padding row (row 0 once more) would change: counting it could not pass.
+    with_padding = _one_process_metrics(np.r_[p, p[:1]], np.r_[y, y[:1]])
+    assert all(with_padding[name] != real_rows_only[name] for name in real_rows_only), with_padding
     assert logged["val/auc"] != pytest.approx(0.5, abs=1e-3)  # predictions that order the rows
-    clipped = p.clip(1e-7, 1 - 1e-7)
-    assert logged["val/logloss"] == pytest.approx(-np.mean(y * np.log(clipped) + (1 - y) * np.log(1 - clipped)), rel=1e-6)
-    assert logged["val/calibration"] == pytest.approx(p.mean() / y.mean(), rel=1e-6)
+    p64 = p.astype(np.float64)
+    assert logged["val/auc"] == pytest.approx(rank_auc(p64, y), abs=1e-7)  # by hand: the rank-sum statistic
+    assert logged["val/calibration"] == pytest.approx(p64.mean() / y.mean(), rel=1e-6)
     # The binned AUC of the same predictions: its stated error, summed over ranks exactly.
     binned = result["binned"]
-    assert binned["val/auc_max_error"] == pytest.approx(_max_error(result["probabilities"], y, 100), rel=1e-5)
+    assert binned["val/auc_max_error"] == pytest.approx(_max_error(p, y, 100), rel=1e-5)
     assert abs(binned["val/auc"] - logged["val/auc"]) <= binned["val/auc_max_error"]
     assert binned["val/logloss"] == logged["val/logloss"]
 

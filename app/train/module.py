@@ -311,8 +311,11 @@ class DLRMModule(LightningModule):
 
     def _evaluate(self, batch: CriteoBatch, metrics: MetricCollection) -> None:
         valid = batch.valid_rows  # a slice: no host sync
-        probabilities = torch.sigmoid(self(batch).float())[valid]
-        metrics.update(probabilities, batch.labels[valid].long())
+        probabilities = torch.sigmoid(self(batch).float())[valid]  # every rank runs the sharded forward
+        # A batch of padding only (a rank's share of the last eval step, app/data/partition.py) has no
+        # row to count, and torchmetrics' accuracy cannot reshape an empty batch: leave it out.
+        if batch.num_real_rows != 0:
+            metrics.update(probabilities, batch.labels[valid].long())
         # Logged as metric objects: Lightning computes them once per epoch, synced across ranks.
         self.log_dict(metrics, on_step=False, on_epoch=True, prog_bar=True, batch_size=batch.labels.numel())
 
