@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from app.data.cache import CACHE_FILE, CacheRequest, cached_days
 from app.data.datamodule import CriteoDataModule
 from app.data.synthetic import write_synthetic_criteo
 from app.data.tsv import CriteoFormatError, read_tsv
+from child_process import read_until
 
 SIZES = [3, 7, 10, 97, 100, 1_000, 4_096, 10_000, 65_537, 10**6] * 2 + [2, 5, 11, 13, 40_000_000, 2**31]
 REAL_FILES = ("terabyte_day0_10k.tsv", "kaggle_train_4571.tsv")
@@ -230,26 +230,42 @@ def test_validate_on_a_named_split_converts_only_the_eval_day(tmp_path):
     assert len(data.datasets["val"].source) == 17  # first half of day 23's 33 rows
 
 
+# Converts argv[1:-1] into the cache at argv[-1] on one process; once day 0 is complete (renamed into
+# place) it says DAY0 DONE and waits for a line on stdin before day 1: the test kills it there.
+KILLED_CONVERSION = """
+import sys
+from pathlib import Path
+import app.data.preprocess.runner as runner
+from app.data.cache import CacheRequest, cached_days
+convert_day = runner.convert_day
+def day_then_wait(task):
+    result = convert_day(task)
+    if task.day == 0:
+        print("DAY0 DONE", flush=True)
+        sys.stdin.readline()
+    return result
+runner.convert_day = day_then_wait
+cached_days(CacheRequest(tuple(Path(p) for p in sys.argv[1:-1]), "log1p", "error", Path(sys.argv[-1]), workers=1))
+"""
+
+
 def test_a_conversion_killed_for_real_resumes(tmp_path):
-    """SIGKILL the converting process once its first day is done; the next run keeps that day."""
+    """SIGKILL the converting process right after its first day is complete; the next run keeps that day."""
     files = []
     for day in range(3):
         files.append(tmp_path / f"day_{day}.tsv")
-        write_synthetic_criteo(files[-1], num_rows=25_000, seed=90 + day)
+        write_synthetic_criteo(files[-1], num_rows=2_000, seed=90 + day)
     request = CacheRequest(tuple(files), "log1p", "error", tmp_path / "cache", workers=1)
-    script = (
-        "import sys; from pathlib import Path; from app.data.cache import CacheRequest, cached_days; "
-        f"cached_days(CacheRequest(tuple(Path(p) for p in {[str(p) for p in files]!r}), 'log1p', 'error', "
-        f"Path({str(tmp_path / 'cache')!r}), workers=1))"
-    )
-    child = subprocess.Popen([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1])
+    command = [sys.executable, "-c", KILLED_CONVERSION, *map(str, files), str(tmp_path / "cache")]
+    child = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[1], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        read_until(child.stdout, "DAY0 DONE")
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
     day_0 = request.folder / "day_0_labels.npy"  # renamed into place last of its day
-    deadline = time.monotonic() + 120
-    while not day_0.exists() and child.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
-    child.send_signal(signal.SIGKILL)
-    child.wait()
     assert not json.loads((request.folder / CACHE_FILE).read_text())["complete"]
+    assert not list(request.folder.glob("day_1_*.npy"))  # killed before day 1 was under its final names
     kept = day_0.stat().st_mtime_ns
     folder = cached_days(request)
     assert day_0.stat().st_mtime_ns == kept  # the finished day was not converted again

@@ -16,8 +16,12 @@ data size (docs/data.md). One input set (a split's files) is one folder
 * ``error``: why the last conversion failed, so that ranks that did not convert (they wait in
   Lightning's barrier while local rank 0 converts) stop with the same message instead of waiting.
 
-A lock file (``<folder>.lock``) makes concurrent conversions of one folder (several ranks, or
-several jobs sharing the storage) take turns: the first converts, the others then find it done.
+A lock file (``<folder>.lock``, :mod:`app.data.lock_file`: safe on storage shared by many hosts,
+naming its holder) makes concurrent conversions of one folder (several nodes of a job whose cache is
+on shared storage, several jobs) take turns: the first converts, the others wait for it (up to
+``wait_s``) and then find it done; one that waits longer stops with one line naming the folder and
+the holder. A holder that is gone (its process ended on this host, or its SLURM job was requeued) is
+taken over, and the files it left half-written are deleted before the conversion resumes.
 """
 
 from __future__ import annotations
@@ -28,18 +32,24 @@ import json
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
-
+from app.data.lock_file import HolderLock
 from app.data.preprocess import FORMAT_VERSION, Config, default_workers
 from app.data.preprocess import run as preprocess
+from app.data.preprocess.files import is_partial, partial_path
 
 CACHE_FILE = "cache.json"
 DEFAULT_CACHE_FOLDER = "criteo_cache"  # beside the raw data unless data.cache_dir says otherwise
+# How long a conversion waits for another process converting the same folder, unless told: longer
+# than converting Kaggle or a Terabyte day takes, and bounded, so that a holder gone on another host
+# (which cannot be probed from here) ends in a message instead of a hang.
+DEFAULT_WAIT_S = 3600.0
+LOCK_POLL_S = 1.0  # between looks at another converter's lock file
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,7 @@ class CacheRequest:
     on_bad_rows: str
     cache_dir: Path | None = None  # None: DEFAULT_CACHE_FOLDER beside the first input
     workers: int | None = None  # conversion processes (and threads); None: the cores here
+    wait_s: float = DEFAULT_WAIT_S  # for another process converting the same folder
 
     @property
     def folder(self) -> Path:
@@ -82,32 +93,69 @@ def cached_days(request: CacheRequest, convert: bool = True) -> Path:
     Without ``convert`` (ranks that wait while another converts), a folder that is not complete
     raises the error recorded by the failed conversion, or says it is missing.
     """
-    return cached_folder(request.folder, request.fingerprint(), lambda folder: _convert(request, folder), convert)
+
+    def make(folder: Path) -> None:
+        _convert(request, folder)
+
+    return cached_folder(request.folder, request.fingerprint(), make, convert, request.wait_s)
 
 
-def cached_folder(folder: Path, fingerprint: dict[str, Any], make: Callable[[Path], None], convert: bool = True) -> Path:
+def cached_folder(
+    folder: Path,
+    fingerprint: dict[str, Any],
+    make: Callable[[Path], None],
+    convert: bool = True,
+    wait_s: float = DEFAULT_WAIT_S,
+) -> Path:
     """``folder``, made by ``make(folder)`` first unless it is complete with this ``fingerprint``: the
     cache's protocol (``cache.json``, the lock, stale folders replaced, failures recorded) for any
     folder derived from others (the converted days, a vocabulary, days mapped with it).
 
     ``make`` may find the files of an unfinished earlier attempt with the same fingerprint there;
-    a folder made from another fingerprint is deleted first.
+    a folder made from another fingerprint is deleted first. Without ``convert`` the folder is only
+    read (no lock: ``cache.json`` is replaced whole). ``wait_s``: how long to wait for another
+    process converting it.
     """
     if _is_complete(folder, fingerprint):
         return folder
+    if not convert:
+        state = _read_state(folder)
+        recorded = state.get("error") if state.get("fingerprint") == fingerprint else None
+        raise ValueError(
+            f"data cache {folder} is not complete: "
+            + (f"its conversion failed: {recorded}" if recorded else "the conversion on local rank 0 did not finish")
+        )
     _make_parent(folder)
-    with FileLock(f"{folder}.lock"):
+    lock = _hold(folder, wait_s)
+    try:
         state = _read_state(folder)
         if state.get("fingerprint") == fingerprint and state.get("complete"):
             return folder  # another process converted it while this one waited
-        if not convert:
-            recorded = state.get("error") if state.get("fingerprint") == fingerprint else None
-            raise ValueError(
-                f"data cache {folder} is not complete: "
-                + (f"its conversion failed: {recorded}" if recorded else "the conversion on local rank 0 did not finish")
-            )
         _make(folder, fingerprint, state, make)
+    finally:
+        lock.release()
     return folder
+
+
+def _hold(folder: Path, wait_s: float) -> HolderLock:
+    """The lock of ``folder``, waiting up to ``wait_s`` for a live holder (another node or job converting)."""
+    lock = HolderLock(Path(f"{folder}.lock"))
+    deadline = time.monotonic() + wait_s
+    holder = lock.acquire()
+    if holder is not None:
+        print(f"data cache {folder}: waiting up to {wait_s:g} s for {holder.describe()}, which is converting it", file=sys.stderr)
+    while holder is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ValueError(
+                f"data cache {folder} is being converted by {holder.describe()}; waited {wait_s:g} s: let it finish, "
+                f"or if that process is gone delete {lock.path}; or set data.cache_dir to convert elsewhere"
+            )
+        time.sleep(min(LOCK_POLL_S, left))  # another process's file: nothing to wait on but the file itself
+        holder = lock.acquire()
+    if lock.replaced is not None:
+        print(f"data cache {folder}: took the lock over from {lock.replaced.describe()} (gone)", file=sys.stderr)
+    return lock
 
 
 def _is_complete(folder: Path, fingerprint: dict[str, Any]) -> bool:
@@ -123,7 +171,7 @@ def _read_state(folder: Path) -> dict[str, Any]:
 
 
 def _write_state(folder: Path, state: dict[str, Any]) -> None:
-    partial = folder / f"{CACHE_FILE}.partial"
+    partial = partial_path(folder / CACHE_FILE)
     partial.write_text(json.dumps(state, indent=2) + "\n")
     os.replace(partial, folder / CACHE_FILE)
 
@@ -145,6 +193,10 @@ def _make(folder: Path, fingerprint: dict[str, Any], state: dict[str, Any], make
         print(f"data cache {folder}: the last conversion failed ({state['error']}); converting again", file=sys.stderr)
     elif folder.exists():
         print(f"data cache {folder}: resuming an unfinished conversion", file=sys.stderr)
+    if folder.exists():  # this process holds the lock: a half-written file here is a gone writer's
+        for leftover in folder.iterdir():
+            if is_partial(leftover):
+                leftover.unlink()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         _write_state(folder, {"fingerprint": fingerprint, "complete": False, "error": None})

@@ -1,8 +1,8 @@
 """The Criteo LightningDataModule: any Criteo format in, per-rank TorchRec batches out.
 
 One road for every format (docs/data.md): raw TSV given to ``fit``, ``validate`` or ``test`` is
-converted once into NumPy day files in a cache folder (:mod:`app.data.cache`, from
-``prepare_data``), and every split is then read memory-mapped, so host memory per rank stays
+converted once into NumPy day files in a cache folder (:mod:`app.data.cache`, at the start of
+``setup``, by one rank per node or one in all), and every split is then read memory-mapped, so host memory per rank stays
 bounded whatever the data size. Only ``predict`` reads raw TSV straight into memory (a file to
 score, possibly unlabelled).
 
@@ -14,6 +14,7 @@ one maps ``predict``'s ids, so that scoring needs neither the training data nor 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
@@ -81,8 +82,11 @@ class CriteoDataModule(LightningDataModule):
             (2/3 of the raw text); with ``frequency_threshold`` also 104 bytes per row for the
             mapped ids and 8 bytes per kept id for the vocabulary.
         cache_workers: processes (and parse threads) converting raw TSV; default: the cores here.
-        prepare_data_per_node: convert on local rank 0 of every node (true: node-local cache_dir),
-            or only on global rank 0 (false: cache_dir on storage that every node sees).
+        prepare_data_per_node: convert on local rank 0 of every node (true: for a node-local
+            cache_dir), or only on global rank 0 (false: for a cache_dir on storage that every node
+            sees). A lock file beside each cache folder lets one process convert it at a time, so
+            true on shared storage converts once too: the other nodes wait for the first and find it
+            done (up to the strategy's barrier_timeout_s).
         frequency_threshold: 0: off (ids as they are). T >= 1: ids seen at least T times in the
             training split get their own contiguous ids 2, 3, ... per feature, every other id (rare,
             or unseen in training) the shared id 1, as TorchRec's Criteo preprocessing and the DLRM
@@ -140,7 +144,6 @@ class CriteoDataModule(LightningDataModule):
         self.seed = seed
         self.datasets: dict[str, CriteoBatches] = {}
         self.num_bad_rows_skipped = 0
-        self._prepare_error: Exception | None = None
         # The model's tables take these sizes (app.cli links them once this module exists).
         self.table_sizes = self._table_sizes(num_embeddings_per_feature)
         self.options = ReadOptions(self.table_sizes, on_bad_rows, dense_transform)
@@ -182,7 +185,11 @@ class CriteoDataModule(LightningDataModule):
         return sizes
 
     def _cache_request(self, files: SplitFiles) -> CacheRequest:
-        return CacheRequest(files.files, self.dense_transform, self.on_bad_rows, self.cache_dir, self.cache_workers)
+        request = CacheRequest(files.files, self.dense_transform, self.on_bad_rows, self.cache_dir, self.cache_workers)
+        # Waiting for another node's conversion longer than the other ranks wait at the barrier would
+        # leave this rank converting after they have given up.
+        barrier_timeout_s = getattr(self.trainer.strategy, "barrier_timeout_s", None) if self.trainer else None
+        return request if barrier_timeout_s is None else dataclasses.replace(request, wait_s=barrier_timeout_s)
 
     def _split_files(self, wanted: list[str] | tuple[str, ...]) -> dict[str, SplitFiles]:
         """The files of the ``wanted`` splits that are set, refusing a threshold where it cannot apply."""
@@ -239,7 +246,7 @@ class CriteoDataModule(LightningDataModule):
         """Raises FileNotFoundError naming the setting for an input of ``stage`` that does not exist.
 
         For the CLI to call before any worker starts (on global rank 0, which always reads the
-        inputs); otherwise the error would come from ``prepare_data``, after the launch.
+        inputs); otherwise the error would come from ``setup``, after the launch.
         """
         self._files(stage)
 
@@ -250,24 +257,43 @@ class CriteoDataModule(LightningDataModule):
         return found
 
     def prepare_data(self) -> None:
-        """Convert the stage's raw TSV splits into the cache (Lightning calls this on local rank 0 of
-        every node, or only on global rank 0, while the other ranks wait in a barrier)."""
-        stage = self.trainer.state.fn.value if self.trainer is not None and self.trainer.state.fn else "fit"
+        """Converts the fit stage's raw TSV splits into the cache, for a caller without a Trainer (a
+        script, the bench). Under a Trainer this does nothing: ``setup`` converts instead, because
+        Lightning waits for this hook on a barrier that never times out (``_InfiniteBarrier``, a
+        gloo group with a 10,000-day timeout), and a converting rank stuck there would hang the job."""
+        if self.trainer is None:
+            self._convert("fit")
+
+    def _convert(self, stage: str) -> None:
+        for name, files in self._files(stage).items():
+            if files.format == "tsv" and name != "predict":
+                self._cached_folder(files, convert=True)
+
+    def _convert_on_converting_ranks(self, stage: str) -> None:
+        """Local rank 0 of every node (``prepare_data_per_node``), or global rank 0, converts while the
+        others wait on the strategy's barrier (the app's is bounded: ``barrier_timeout_s``)."""
+        trainer = self.trainer
+        assert trainer is not None
+        converts = trainer.local_rank == 0 if self.prepare_data_per_node else trainer.global_rank == 0
+        error: Exception | None = None
+        if converts:
+            try:
+                self._convert(stage)
+            except Exception as failure:  # after the barrier: leaving now would leave the others waiting
+                error = failure
         try:
-            for name, files in self._files(stage).items():
-                if files.format == "tsv" and name != "predict":
-                    self._cached_folder(files, convert=True)
-        except Exception as error:
-            # Raised from setup instead: leaving the barrier with an error would cut the waiting ranks
-            # off mid-collective; in setup every rank stops with the message (app.data.cache).
-            self._prepare_error = error
+            trainer.strategy.barrier("prepare_data")
+        except Exception:
+            if error is None:
+                raise
+        if error is not None:
+            raise error  # the others read it from cache.json (app.data.cache) and stop with it too
 
     def setup(self, stage: str) -> None:
-        error, self._prepare_error = self._prepare_error, None
-        if error is not None:
-            raise error
+        if self.trainer is not None:
+            self._convert_on_converting_ranks(stage)
         rank, world_size = self._rank_and_world_size()
-        # Under a Trainer, prepare_data has converted (or failed to) before any rank gets here.
+        # Under a Trainer the converting ranks have converted (or failed to) before any rank gets here.
         convert = self.trainer is None
         self._restored = None  # load_state_dict sets it if the run restores a checkpoint with this state
         reported: set[tuple[Path, ...]] = set()

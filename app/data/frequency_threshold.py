@@ -44,7 +44,7 @@ from app.data.preprocess import (
     run_tasks,
     save_vocabularies,
 )
-from app.data.preprocess.files import link_or_copy, save_npz_atomically, write_json_atomically
+from app.data.preprocess.files import link_or_copy, partial_path, save_npz_atomically, write_json_atomically
 from app.data.preprocess.workers import report_rows
 from app.data.splits import RowPart, part_rows
 
@@ -83,7 +83,7 @@ def training_vocabulary(
     def count(output: Path) -> None:
         _count_ids(cached_days(days), part, threshold, output, days.workers, setting_where)
 
-    return Vocabulary.load(cached_folder(folder, fingerprint, count, convert))
+    return Vocabulary.load(cached_folder(folder, fingerprint, count, convert, days.wait_s))
 
 
 def mapped_days(days: CacheRequest, vocabulary: Vocabulary, convert: bool = True) -> Path:
@@ -96,7 +96,7 @@ def mapped_days(days: CacheRequest, vocabulary: Vocabulary, convert: bool = True
     def map_ids(output: Path) -> None:
         _map_days(cached_days(days), vocabulary, output, days.workers)
 
-    return cached_folder(folder, fingerprint, map_ids, convert)
+    return cached_folder(folder, fingerprint, map_ids, convert, days.wait_s)
 
 
 # ---- counting ---------------------------------------------------------------------------------
@@ -145,7 +145,7 @@ def _map_days(raw: Path, vocabulary: Vocabulary, output: Path, workers: int | No
         link_or_copy(labels, mapped_labels)
         if mapped_sparse.is_file():
             continue  # mapped by an interrupted earlier attempt with this fingerprint
-        partial = Path(f"{mapped_sparse}.partial")
+        partial = partial_path(mapped_sparse)
         # Contiguous ids stay below 2**31: int32, like the raw days.
         np.lib.format.open_memmap(partial, mode="w+", dtype=np.int32, shape=(rows, NUM_SPARSE)).flush()
         partials.append((partial, mapped_sparse))

@@ -8,9 +8,9 @@ which NumPy pads so that the row count can grow to 21 digits without changing th
 (``numpy.lib.format.GROWTH_AXIS_MAX_DIGITS``); when the day is done the header is rewritten in
 place with the real row count. No output is read back or copied.
 
-Resuming: a day is written under ``*.partial`` names and renamed when complete, so a day whose
-files all exist is finished: a re-run skips it (checking it was made from the same input file, by
-name and size, with the same options) and redoes only the others. The first pass of
+Resuming: a day is written under ``*.partial-<host>-<pid>`` names (one per writer) and renamed when
+complete, so a day whose files all exist is finished: a re-run skips it (checking it was made from
+the same input file, by name and size, with the same options) and redoes only the others. The first pass of
 ``--frequency_threshold`` resumes the same way (per file's id counts, then the saved vocabularies).
 
 Memory per worker: a few chunks (``--block_mib``) plus the distinct ids of its file. With

@@ -1,21 +1,39 @@
-"""Files written whole or not at all: each is written under ``<name>.partial`` and renamed when
-complete, so a file under its final name is finished. JSON, ``.npz`` sidecars (and reading their
-info back), ``.npy`` arrays, and ``.npy`` files streamed chunk by chunk (:class:`NpyStreamWriter`)."""
+"""Files written whole or not at all: each is written under a temporary name (:func:`partial_path`:
+``<name>.partial-<host>-<pid>``) and renamed when complete, so a file under its final name is
+finished, and two writers (two nodes converting into one shared folder) never write into one file.
+JSON, ``.npz`` sidecars (and reading their info back), ``.npy`` arrays, and ``.npy`` files streamed
+chunk by chunk (:class:`NpyStreamWriter`)."""
 
 from __future__ import annotations
 
 import io
 import json
 import os
+import re
 import shutil
+import socket
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+PARTIAL = ".partial"
+
+
+def partial_path(path: Path) -> Path:
+    """Where this process writes ``path`` before renaming it into place: a name of its own (host and
+    pid), so that another process writing the same file writes another one."""
+    host = re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname())
+    return Path(f"{path}{PARTIAL}-{host}-{os.getpid()}")
+
+
+def is_partial(path: Path) -> bool:
+    """Whether ``path`` is a file still being written (or left half-written by a writer that died)."""
+    return PARTIAL in Path(path).name
+
 
 class NpyStreamWriter:
-    """A .npy file written chunk by chunk under ``<name>.partial``; ``commit`` renames it.
+    """A .npy file written chunk by chunk under its :func:`partial_path`; ``commit`` renames it.
 
     The header is written for zero rows first and rewritten with the real count at the end: NumPy
     pads headers so that the first dimension can grow to 21 digits in place.
@@ -23,7 +41,7 @@ class NpyStreamWriter:
 
     def __init__(self, path: Path, dtype: np.dtype, row_shape: tuple[int, ...]) -> None:
         self.path = path
-        self.partial = Path(f"{path}.partial")
+        self.partial = partial_path(path)
         self.dtype = np.dtype(dtype)
         self.row_shape = row_shape
         self.rows = 0
@@ -45,7 +63,7 @@ class NpyStreamWriter:
         self.rows += rows.shape[0]
 
     def finish(self) -> None:
-        """Write the final header and close the file (still under its .partial name)."""
+        """Write the final header and close the file (still under its partial name)."""
         header = self._header(self.rows)
         if len(header) != self._header_bytes:  # cannot happen below 10**21 rows; never write a corrupt file
             raise RuntimeError(f"{self.partial}: the .npy header changed length; cannot patch it in place")
@@ -77,13 +95,13 @@ def read_json(path: Path) -> dict[str, Any]:
 
 
 def write_json_atomically(path: Path, value: dict[str, Any]) -> None:
-    partial = Path(f"{path}.partial")
+    partial = partial_path(path)
     partial.write_text(json.dumps(value, indent=2, default=str) + "\n")
     os.replace(partial, path)
 
 
 def save_npz_atomically(path: Path, **arrays: np.ndarray) -> None:
-    partial = Path(f"{path}.partial")
+    partial = partial_path(path)
     with open(partial, "wb") as file:  # np.savez appends ".npz" to a file name, not to an open file
         np.savez(file, **arrays)
     os.replace(partial, path)
@@ -96,13 +114,13 @@ def link_or_copy(source: Path, target: Path) -> None:
     try:
         os.link(source, target)
     except OSError:
-        partial = Path(f"{target}.partial")
+        partial = partial_path(target)
         shutil.copyfile(source, partial)
         os.replace(partial, target)
 
 
 def save_npy_atomically(path: Path, array: np.ndarray) -> None:
-    partial = Path(f"{path}.partial")
+    partial = partial_path(path)
     with open(partial, "wb") as file:
         np.lib.format.write_array(file, array, allow_pickle=False)
     os.replace(partial, path)
