@@ -4,6 +4,7 @@ A checkpoint named ``NAME`` (``last.ckpt``, ``epoch=1-step=80.ckpt``) is a symbo
 folder ``.NAME.<token>`` beside it, which holds:
 
     .metadata, __<rank>_0.distcp   every rank's shards of the model and optimizer state (DCP)
+    writer.json                    who writes it (host, pid, SLURM job), written first, by rank 0
     vocabulary/                    data.frequency_threshold's vocabulary, when the run had one
                                    (app/checkpoint/vocabulary.py)
     meta.json                      plain data: loops, callbacks, hyper-parameters, the sharding
@@ -12,7 +13,10 @@ folder ``.NAME.<token>`` beside it, which holds:
 
 Publishing a new checkpoint under an existing name writes a fresh folder and swaps the link with
 one ``rename`` (atomic on POSIX): a reader sees either the old complete checkpoint or the new one,
-never none, and a crash at any point leaves the previous checkpoint in place. A plain folder with
+never none, and a crash at any point leaves the previous checkpoint in place. Then rank 0 deletes the
+folders of that name the link no longer points at (the previous checkpoint, saves that crashed), but
+not an unfinished one whose writer still runs on this host: another job's save in progress (a run
+folder has one job at a time, app/checkpoint/run_lock.py; this is the second line of defence). A plain folder with
 the same content (a copy made with ``cp -rL``) loads as well.
 
 Safe loading: nothing is unpickled as code. meta.json is JSON; DCP's shard files are read with
@@ -28,7 +32,7 @@ import pickle
 import shutil
 import uuid
 import warnings
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,8 +45,10 @@ from torchrec.distributed.types import ShardingPlan
 from app.checkpoint.plan_json import plan_from_json, plan_to_json
 from app.checkpoint.reshard import load_resharded
 from app.checkpoint.vocabulary import load_vocabulary, save_vocabulary, trained_threshold
+from app.data.lock_file import Holder, read_holder
 
 META_FILE = "meta.json"  # written last: a folder without it is incomplete
+WRITER_FILE = "writer.json"  # written first: whose save an incomplete folder is
 DCP_INDEX_FILE = ".metadata"
 FORMAT_VERSION = 1
 _TENSOR_KEYS = ("state_dict", "optimizer_states")  # what goes through DCP; everything else is meta.json
@@ -81,6 +87,7 @@ def save(
     folder = link.parent / f".{link.name}.{token}"
     if collectives.is_global_zero:
         folder.mkdir(parents=True)
+        (folder / WRITER_FILE).write_text(json.dumps(asdict(Holder.of_this_process()), indent=1) + "\n")
     collectives.barrier()
     tensors = {key: checkpoint[key] for key in _TENSOR_KEYS if key in checkpoint}
     # dcp.save gathers every rank's result: a failure on one rank raises on all, no rank hangs.
@@ -140,12 +147,23 @@ def _remove_unlinked_folders(link: Path) -> None:
     # next save's pass, never failing a save that has already succeeded.
     current = os.readlink(link) if link.is_symlink() else None
     for folder in link.parent.glob(f".{_glob_escape(link.name)}.*"):
-        if folder.name == current:
+        if folder.name == current or _written_by_another_live_process(folder):
             continue
         try:
             shutil.rmtree(folder) if folder.is_dir() and not folder.is_symlink() else folder.unlink()
         except OSError as error:
             warnings.warn(f"could not remove the old checkpoint folder {folder} ({error}); the next save retries", stacklevel=2)
+
+
+def _written_by_another_live_process(folder: Path) -> bool:
+    """An unfinished checkpoint folder whose writer runs on this host and is not this process: another
+    job's save in progress. A writer on another host cannot be probed: its folder is deleted (the run
+    folder's lock keeps other jobs out; a save of this job that crashed looks the same)."""
+    if not folder.is_dir() or (folder / META_FILE).exists():
+        return False
+    writer = read_holder(folder / WRITER_FILE)
+    me = Holder.of_this_process()
+    return writer is not None and writer.host == me.host and not writer.is_this_process(me) and not writer.is_gone(me)
 
 
 def _glob_escape(name: str) -> str:

@@ -6,7 +6,8 @@ its checkpoint loader accepts DTensor parameters only, while DMP's tables are Sh
 
 Life cycle inside ``Trainer.fit``:
     ``_configure_launcher`` (main process: settings are validated before any worker starts)
-    -> ``setup_environment`` (process group: gloo on CPU, nccl on GPUs, which is RCCL on ROCm)
+    -> ``setup_environment`` (process group: gloo on CPU, nccl on GPUs, which is RCCL on ROCm; for
+       ``fit``, rank 0 takes the run folder's lock, app/checkpoint/run_lock.py)
     -> ``setup`` (plan on rank 0 and broadcast, wrap in DMP, combine the fused sparse optimizer with
        the dense one) -> training, where checkpoints are written by every rank through
        ``torch.distributed.checkpoint``.
@@ -39,6 +40,7 @@ from app.checkpoint import format as checkpoint_format
 from app.checkpoint.export import is_exported_model, load_exported_into
 from app.checkpoint.format import CheckpointInfo
 from app.checkpoint.reshard import plan_allows
+from app.checkpoint.run_lock import RunFolderLock, run_folders
 from app.distributed.launch import check_launch, set_collective_error_defaults
 from app.distributed.placements import plan_on_devices
 from app.distributed.plan_report import plan_report, report_holds_plan, write_plan_report
@@ -63,6 +65,11 @@ from app.distributed.topology import DeviceTopology, resolve_topology, validate_
 
 # Precisions this strategy applies: float32, and bf16 autocast around each step (train_step_context).
 APPLIED_PRECISIONS = ("32-true", "bf16-mixed")
+# What the ranks wait for at the barriers that can take long, by the name the caller gives (messages).
+BARRIER_WORK = {
+    "prepare_data": "the raw-TSV cache being converted, app.data.cache",
+    "remove_checkpoint": "rank 0 deleting an old checkpoint",
+}
 
 
 class TorchRecStrategy(ParallelStrategy):
@@ -93,9 +100,11 @@ class TorchRecStrategy(ParallelStrategy):
             works alone while the others wait in a collective (planning, a slow first batch); the
             waits at barriers (around checkpoints) have their own ``barrier_timeout_s``.
         barrier_timeout_s: seconds a rank waits at a barrier for the others (on a gloo group of its own,
-            not under the NCCL watchdog): rank 0 publishing a checkpoint and deleting the previous one,
-            ranks writing shards of uneven size. A rank that dies ends the wait at once; one that is
-            stuck, after this.
+            not under the NCCL watchdog): the raw-TSV cache being converted at start-up (also the
+            longest a converting rank waits for another node converting the same cache folder), rank 0
+            publishing a checkpoint and deleting the previous one, ranks writing shards of uneven size.
+            A rank that dies ends the wait at once; one that is stuck, after this, with a message
+            naming the barrier and this setting.
         rendezvous_timeout_s: seconds every started rank waits for all ranks to join at start-up; a
             node that never starts or a wrong ``MASTER_ADDR`` ends the job after this, with a message
             naming the missing ranks.
@@ -147,6 +156,7 @@ class TorchRecStrategy(ParallelStrategy):
         # checkpoint to the strategy only after setup, but the plan must be chosen before (see _shard).
         self.requested_ckpt_path: str | None = None
         self._dmp: DistributedModelParallel | None = None
+        self._run_lock: RunFolderLock | None = None  # held by global rank 0 while fitting
 
     # ---- processes -------------------------------------------------------------------------
 
@@ -231,6 +241,32 @@ class TorchRecStrategy(ParallelStrategy):
             timeout_s=self.timeout_s,
             device_id=self.root_device if self.root_device.type != "cpu" else None,
         )
+        self._hold_run_folder()
+
+    def _hold_run_folder(self) -> None:
+        """``fit`` owns its run folder: global rank 0 takes its lock before any work starts, and every
+        rank learns the outcome, so that a refused job stops on all ranks with the same line."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or self._run_lock is not None:
+            return
+        refusal = self._take_run_folder(trainer) if self.is_global_zero else None
+        refusal = self.broadcast(refusal)
+        if refusal is not None:
+            raise ValueError(refusal)
+
+    def _take_run_folder(self, trainer: Trainer) -> str | None:
+        """Rank 0's half of :meth:`_hold_run_folder`: the refusal as a line, never raised before the others hear it."""
+        folders = run_folders(trainer)
+        lock = RunFolderLock(folders)
+        try:
+            refusal = lock.acquire()
+        except OSError as error:
+            return f"cannot write the lock file of run folder {folders[0]} ({error}): set a writable trainer.default_root_dir"
+        if refusal is None:
+            self._run_lock = lock
+            for line in lock.taken_over():
+                rank_zero_info(line)
+        return refusal
 
     # ---- model and optimizers --------------------------------------------------------------
 
@@ -382,7 +418,20 @@ class TorchRecStrategy(ParallelStrategy):
         # The barriers are where ranks wait while one works alone (rank 0 publishing a checkpoint and
         # deleting the previous one, uneven shard writes): on gloo with barrier_timeout_s, since an NCCL
         # barrier would end a healthy job after timeout_s (app/distributed/rendezvous.py).
-        wait_for_every_rank(self.barrier_timeout_s)
+        try:
+            wait_for_every_rank(self.barrier_timeout_s)
+        except RuntimeError as error:
+            # Gloo's words for a wait that ran out: "failed to pass monitoredBarrier" on rank 0, "Timed
+            # out" on the others, the store's "wait timeout" when the group's creation (the first barrier)
+            # waited; a rank that died closes its connection instead (not a timeout).
+            if not any(words in str(error) for words in ("monitoredBarrier in", "Timed out", "wait timeout")):
+                raise
+            what = BARRIER_WORK.get(name or "", "one rank's work")
+            raise ValueError(
+                f"rank {dist.get_rank()}: waited trainer.strategy.init_args.barrier_timeout_s = "
+                f"{self.barrier_timeout_s:g} s at the {name or 'strategy'} barrier ({what}) for a rank that did not "
+                f"come: raise it if that work takes longer; {str(error).splitlines()[0]}"
+            ) from None
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not dist.is_initialized():
@@ -398,6 +447,9 @@ class TorchRecStrategy(ParallelStrategy):
 
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
+        if self._run_lock is not None:
+            self._run_lock.release()
+            self._run_lock = None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
