@@ -17,9 +17,16 @@ from multiprocess import DEMO_BEFORE_QUALITY_SETTINGS, run_on_ranks
 TABLE_SIZE = 500
 EMBEDDING_DIM = 8
 NUM_TABLES = 26
+# TorchRec cuts column-wise shards no narrower than MIN_CW_DIM = 128 columns unless a table's
+# constraints set min_partition (torchrec/distributed/planner/constants.py:19, sharding_plan.py
+# _get_block_size_for_cw_shard): tables of 8 columns stay whole under column_wise. 256 columns: two shards.
+TORCHREC_MIN_COLUMN_SHARD = 128
+WIDE_EMBEDDING_DIM = 2 * TORCHREC_MIN_COLUMN_SHARD
 
 
-def fit_args(sample: dict[str, Path], root: Path, sharding_type: str, batch_size_per_rank: int) -> list[str]:
+def fit_args(
+    sample: dict[str, Path], root: Path, sharding_type: str, batch_size_per_rank: int, embedding_dim: int = EMBEDDING_DIM
+) -> list[str]:
     return [
         "fit",
         "--config", "configs/demo.yaml", *DEMO_BEFORE_QUALITY_SETTINGS,
@@ -29,8 +36,8 @@ def fit_args(sample: dict[str, Path], root: Path, sharding_type: str, batch_size
         "--data.predict", "null",
         "--data.batch_size", str(batch_size_per_rank),
         "--data.num_embeddings_per_feature", str(TABLE_SIZE),
-        "--model.embedding_dim", str(EMBEDDING_DIM),
-        "--model.dense_arch_layer_sizes", f"[16, {EMBEDDING_DIM}]",
+        "--model.embedding_dim", str(embedding_dim),
+        "--model.dense_arch_layer_sizes", f"[16, {embedding_dim}]",
         "--model.over_arch_layer_sizes", "[16, 1]",
         # Plain SGD for the MLPs: Adagrad's first step is lr * sign(gradient), which turns float
         # rounding noise in gradients that are truly ~0 into full-size steps and hides real differences.
@@ -69,18 +76,33 @@ def shards_and_predictions(cli) -> dict:
 
 
 @pytest.fixture(scope="module")
-def unsharded(sample, tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("unsharded")
-    # One process with a 2x batch sees exactly the global batches of two processes.
-    (result,) = run_on_ranks(1, fit_args(sample, root, "table_wise", 128), root, shards_and_predictions)
-    return result
+def unsharded(sample, tmp_path_factory) -> dict[int, dict]:
+    """One process with a 2x batch (it sees exactly the global batches of two processes), per
+    embedding width, run when a test first needs it. Wide tables are cut into the same column shards
+    there (both on the one rank): row-wise Adagrad keeps one accumulator per row and column shard, so
+    a whole table would train differently."""
+    runs: dict[int, dict] = {}
+
+    def run(embedding_dim: int) -> dict:
+        if embedding_dim not in runs:
+            root = tmp_path_factory.mktemp(f"unsharded_{embedding_dim}")
+            sharding_type = "table_wise" if embedding_dim == EMBEDDING_DIM else "column_wise"
+            args = fit_args(sample, root, sharding_type, 128, embedding_dim)
+            (runs[embedding_dim],) = run_on_ranks(1, args, root, shards_and_predictions)
+        return runs[embedding_dim]
+
+    return run
 
 
-@pytest.mark.parametrize("sharding_type", ["table_wise", "column_wise", "data_parallel"])
-def test_two_ranks_hold_their_shards_and_match_one_rank(sharding_type, sample, unsharded, tmp_path):
-    ranks = run_on_ranks(2, fit_args(sample, tmp_path, sharding_type, 64), tmp_path, shards_and_predictions)
+@pytest.mark.parametrize(
+    ("sharding_type", "embedding_dim"),
+    [("table_wise", EMBEDDING_DIM), ("column_wise", WIDE_EMBEDDING_DIM), ("data_parallel", EMBEDDING_DIM)],
+)
+def test_two_ranks_hold_their_shards_and_match_one_rank(sharding_type, embedding_dim, sample, unsharded, tmp_path):
+    reference = unsharded(embedding_dim)
+    ranks = run_on_ranks(2, fit_args(sample, tmp_path, sharding_type, 64, embedding_dim), tmp_path, shards_and_predictions)
 
-    assert [r["global_step"] for r in ranks] == [unsharded["global_step"]] * 2 == [24, 24]
+    assert [r["global_step"] for r in ranks] == [reference["global_step"]] * 2 == [24, 24]
     assert len(ranks[0]["shards"]) == NUM_TABLES
     for key in ranks[0]["shards"]:
         held = [rank["shards"][key] for rank in ranks]
@@ -89,19 +111,19 @@ def test_two_ranks_hold_their_shards_and_match_one_rank(sharding_type, sample, u
             assert sorted(len(h) for h in held) == [0, 1], key
             assert [s for h in held for s in h] == [((0, 0), (TABLE_SIZE, EMBEDDING_DIM))]
         elif sharding_type == "column_wise":
-            # The columns of each table are split between the two ranks without overlap.
-            columns = sorted((offsets[1], sizes[1]) for h in held for offsets, sizes in h)
-            assert sum(width for _, width in columns) == EMBEDDING_DIM, key
-            assert all(len(h) == 1 for h in held) or sorted(len(h) for h in held) == [0, 1]
-            assert all(sizes[0] == TABLE_SIZE for h in held for _, sizes in h)
+            # Every table is cut into two shards of 128 columns, all rows each, without overlap.
+            shards = sorted(s for h in held for s in h)
+            assert shards == [((0, 0), (TABLE_SIZE, 128)), ((0, 128), (TABLE_SIZE, 128))], key
+            assert reference["shards"][key] == shards  # the one process holds both
         else:
             assert held == [[((0, 0), (TABLE_SIZE, EMBEDDING_DIM))]] * 2
-    if sharding_type == "table_wise":
-        tables_per_rank = [len([k for k, h in r["shards"].items() if h]) for r in ranks]
-        assert sorted(tables_per_rank) == [13, 13]
+    if sharding_type in ("table_wise", "column_wise"):
+        # Balanced: 13 tables or 26 column shards on each rank.
+        shards_per_rank = [sum(len(h) for h in r["shards"].values()) for r in ranks]
+        assert shards_per_rank == ([13, 13] if sharding_type == "table_wise" else [26, 26])
 
     # Both ranks see the same model, and it is the model one process trained.
     np.testing.assert_allclose(ranks[0]["probabilities"], ranks[1]["probabilities"], rtol=0, atol=1e-6)
-    np.testing.assert_allclose(ranks[0]["probabilities"], unsharded["probabilities"], rtol=0, atol=2e-5)
+    np.testing.assert_allclose(ranks[0]["probabilities"], reference["probabilities"], rtol=0, atol=2e-5)
     # ... and training moved it: the comparison would be vacuous at the starting point.
-    assert np.abs(unsharded["probabilities"] - 0.5).max() > 0.05
+    assert np.abs(reference["probabilities"] - 0.5).max() > 0.05
