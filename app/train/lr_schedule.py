@@ -13,9 +13,12 @@ where s = ``lr_decay_start`` and n = ``lr_decay_steps`` (MLPerf's reference uses
 The same factor applies to the dense optimizer and to TorchRec's fused embedding optimizer: both sit
 in the one combined optimizer the strategy steps, and a fused embedding optimizer hands its
 ``param_groups[0]["lr"]`` to the FBGEMM kernel on every ``zero_grad()`` and ``step()``, so a scheduler
-that edits the param groups drives the embedding update too. Under automatic optimization Lightning
-steps the scheduler after each optimizer step; a loop that optimizes manually (``model.pipeline``)
-calls ``step_lr_schedulers`` after each step instead.
+that edits the param groups drives the embedding update too, provided the kernel has the rate before
+the step's forward (FBGEMM's CPU kernels take it there; the plain loop hands it over explicitly:
+``DLRMModule.training_step``). Under automatic optimization Lightning steps the scheduler after each
+optimizer step; a loop that optimizes manually (``model.pipeline``) calls ``step_lr_schedulers`` after
+each step instead. A resumed run takes the groups' rates from the restored scheduler
+(``restore_scheduled_rates``).
 """
 
 from __future__ import annotations
@@ -98,3 +101,19 @@ def step_lr_schedulers(module: LightningModule, interval: str) -> None:
         if config.interval == interval and not config.reduce_on_plateau and count % config.frequency == 0:
             config.scheduler.step()
 
+
+
+def restore_scheduled_rates(module: LightningModule) -> None:
+    """Sets every parameter group's rate to the one its scheduler holds for the next step.
+
+    A resumed run restores the scheduler's state (its step count and ``get_last_lr()``, the next
+    step's rates) but not the rates in the optimizer's groups: the checkpoint keeps the optimizer's
+    tensors only (app/checkpoint/format.py), and ``LambdaLR.load_state_dict`` restores the count
+    without touching the groups, which keep the first step's rate that ``LambdaLR`` set when it was
+    built. Called once the state is restored, before the first step (a fresh run: no change); the
+    fused embedding optimizer hands its group's rate to FBGEMM at that step's ``zero_grad()``.
+    """
+    for config in module.trainer.lr_scheduler_configs:
+        scheduler = config.scheduler
+        for group, rate in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+            group["lr"] = rate

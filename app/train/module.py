@@ -14,7 +14,7 @@ from app.model.compile import FirstStepTimer, check_compile_supported, compile_d
 from app.model.dlrm import EmbeddingPrecision, Interaction, build_dlrm, check_embedding_precision
 from app.model.tables import expand_table_sizes
 from app.train.log_steps import RunningMean, metrics_written_after_this_batch
-from app.train.lr_schedule import LRSchedule, lr_scheduler_config, step_lr_schedulers
+from app.train.lr_schedule import LRSchedule, lr_scheduler_config, restore_scheduled_rates, step_lr_schedulers
 from app.train.host_group import host_process_group
 from app.train.metrics import (
     EvalMetrics,
@@ -245,9 +245,22 @@ class DLRMModule(LightningModule):
         return resolve_pipeline(self.hparams.pipeline, self.trainer.strategy.root_device, self.trainer.world_size)
 
     def training_step(self, batch: CriteoBatch, batch_idx: int) -> torch.Tensor:
+        if not self.lr_schedule.is_constant:
+            self._hand_scheduled_rate_to_fused_tables()
         loss = click_loss(self(batch), batch)
         self._log_training_step(loss, batch)
         return loss
+
+    def _hand_scheduled_rate_to_fused_tables(self) -> None:
+        """Gives FBGEMM's fused kernels this step's scheduled rate before the forward.
+
+        TorchRec's fused optimizers hand their group's rate to FBGEMM in ``zero_grad()`` and ``step()``,
+        but FBGEMM's CPU kernels take the rate when the forward runs: Lightning's plain loop calls
+        ``zero_grad()`` after the forward, so the tables trained one step behind the schedule (the
+        pipeline's step calls it before). ``zero_grad()`` of a fused optimizer zeroes nothing.
+        """
+        parts = dict(self.optimizers(use_pl_optimizer=False).optimizers)
+        parts["sparse"].zero_grad()
 
     def pipelined_training_step(self, dataloader_iter: Any) -> torch.Tensor:
         """One batch through TorchRec's training pipeline (``model.pipeline``), which also steps the optimizers."""
@@ -259,6 +272,7 @@ class DLRMModule(LightningModule):
         return loss
 
     def on_train_start(self) -> None:
+        restore_scheduled_rates(self)  # a resumed run's first step at its scheduled rate, not the first step's
         self._train_loss = RunningMean()
         if self.hparams.compile and not self._first_compiled_step.reported:
             rank_zero_info("model.compile: the dense layers compile during the first training step (tens of seconds)")
