@@ -3,18 +3,24 @@
 Each worker sets the launcher variables (MASTER_ADDR/PORT, LOCAL_RANK, NODE_RANK), calls
 ``cli_main`` with the given arguments, then lets ``inspect(cli) -> dict`` read the trained objects
 on that rank; the dicts come back to the test indexed by rank.
+
+The rendezvous store is hosted by the test process on a port the OS picks (``rendezvous_port``), as
+torchrun's agent hosts it, and every rank joins it as a client: no port is chosen "free" and bound
+later, when another process may have taken it.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
-import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 Inspect = Callable[[Any], dict[str, Any]]
@@ -29,17 +35,38 @@ DEMO_BEFORE_QUALITY_SETTINGS = [
 ]  # fmt: skip
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# Tells a rank that the rendezvous store at MASTER_PORT is hosted for it (torchrun's variable, read by
+# app/distributed/rendezvous.py and by torch's env:// rendezvous): rank 0 joins it instead of binding it.
+AGENT_STORE = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+_runs = itertools.count()
+
+
+@contextmanager
+def rendezvous_port() -> Iterator[int]:
+    """The port of a rendezvous store this process hosts until the block ends, on a port the OS picks:
+    start the ranks inside the block with MASTER_PORT = it and AGENT_STORE. Nothing else can take the
+    port, and a store of its own per run leaves no keys of an earlier run."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    try:
+        yield store.port
+    finally:
+        del store  # the server stops with its last reference
+
+
+def run_folder(parent: Path, name: str) -> Path:
+    """A new folder for one run's results: ``name`` and a number no other run of this process used."""
+    folder = parent / f"{name}_{os.getpid()}_{next(_runs)}"
+    folder.mkdir(parents=True)
+    return folder
 
 
 def cli_worker(rank: int, world_size: int, port: int, args: list[str], inspect: Inspect | None, out_dir: str) -> None:
-    """One rank of `python -m app <args>` (a spawned process): its inspect result, or its error, pickled
-    into out_dir for the test. Shared with tests/gpu/gpu_runs.py."""
+    """One rank of `python -m app <args>` (a spawned process) joining the store at ``port``
+    (``rendezvous_port``): its inspect result, or its error, pickled into out_dir for the test. Shared
+    with tests/gpu/gpu_runs.py."""
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", APP_TRACEBACK="1"
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", APP_TRACEBACK="1",
+        **AGENT_STORE,
     )
     result: dict[str, Any]
     try:
@@ -54,11 +81,11 @@ def cli_worker(rank: int, world_size: int, port: int, args: list[str], inspect: 
 
 def run_on_ranks(world_size: int, args: list[str], tmp_path: Path, inspect: Inspect | None = None) -> list[dict]:
     """Runs ``python -m app <args>`` on ``world_size`` spawned processes; returns each rank's inspect result."""
-    out_dir = tmp_path / f"ranks{world_size}_{free_port()}"
-    out_dir.mkdir(parents=True)
-    mp.start_processes(
-        cli_worker, args=(world_size, free_port(), args, inspect, str(out_dir)), nprocs=world_size, start_method="spawn"
-    )
+    out_dir = run_folder(tmp_path, f"ranks{world_size}")
+    with rendezvous_port() as port:
+        mp.start_processes(
+            cli_worker, args=(world_size, port, args, inspect, str(out_dir)), nprocs=world_size, start_method="spawn"
+        )
     results = [pickle.loads((out_dir / f"rank{rank}.pkl").read_bytes()) for rank in range(world_size)]
     for rank, result in enumerate(results):
         assert "error" not in result, f"rank {rank} failed:\n{result['error']}"

@@ -20,7 +20,7 @@ from app.checkpoint.export import export_checkpoint
 from app.data.datamodule import CriteoDataModule
 from app.data.preprocess import RAW_IDS, preprocess
 from app.data.tsv import read_tsv
-from multiprocess import cli_worker, free_port
+from multiprocess import AGENT_STORE, cli_worker, rendezvous_port, run_folder
 
 THRESHOLD = 2
 
@@ -160,9 +160,9 @@ def cli_args(subcommand: str, root: Path, data: dict[str, Path], *extra: str) ->
 
 def run_ranks(world_size: int, args: list[str], folder: Path, inspect=None) -> list[dict]:
     """``python -m app <args>`` on spawned processes (tests/multiprocess.py); each rank's result or error."""
-    out = folder / f"ranks_{free_port()}"
-    out.mkdir(parents=True)
-    mp.start_processes(cli_worker, args=(world_size, free_port(), args, inspect, str(out)), nprocs=world_size, start_method="spawn")
+    out = run_folder(folder, "ranks")
+    with rendezvous_port() as port:
+        mp.start_processes(cli_worker, args=(world_size, port, args, inspect, str(out)), nprocs=world_size, start_method="spawn")
     return [pickle.loads((out / f"rank{rank}.pkl").read_bytes()) for rank in range(world_size)]
 
 
@@ -172,22 +172,23 @@ def one_process_runs(_: int, runs: list[list[str]], inspect, out: str) -> None:
     starts (and imports torch) once."""
     results = []
     for args in runs:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), LOCAL_RANK="0", NODE_RANK="0", APP_TRACEBACK="1")
-        try:
-            from app.cli import cli_main
+        with rendezvous_port() as port:  # a store of its own per run, hosted here
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK="0", NODE_RANK="0",
+                              APP_TRACEBACK="1", **AGENT_STORE)  # fmt: skip
+            try:
+                from app.cli import cli_main
 
-            results.append(inspect(cli_main(args + ["--trainer.devices", "1"])))
-        except BaseException as error:  # reported to the test
-            results.append({"error": f"{type(error).__name__}: {error}\n{traceback.format_exc()}"})
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
+                results.append(inspect(cli_main(args + ["--trainer.devices", "1"])))
+            except BaseException as error:  # reported to the test
+                results.append({"error": f"{type(error).__name__}: {error}\n{traceback.format_exc()}"})
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
     Path(out, "runs.pkl").write_bytes(pickle.dumps(results))
 
 
 def run_one_after_another(runs: list[list[str]], folder: Path, inspect) -> list[dict]:
-    out = folder / f"runs_{free_port()}"
-    out.mkdir(parents=True)
+    out = run_folder(folder, "runs")
     mp.start_processes(one_process_runs, args=(runs, inspect, str(out)), nprocs=1, start_method="spawn")
     return pickle.loads((out / "runs.pkl").read_bytes())
 

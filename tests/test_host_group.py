@@ -18,7 +18,7 @@ from torchmetrics.classification import BinaryAUROC
 from app.train.callbacks import gather_predictions_to_rank_zero
 from app.train.host_group import carries_host_tensors, host_process_group
 from app.train.metrics import build_eval_metrics, sync_exact_auc_through
-from multiprocess import free_port
+from multiprocess import AGENT_STORE, rendezvous_port
 
 NUM_ROWS = 301  # uneven over 2 ranks
 
@@ -31,7 +31,7 @@ def _rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _on_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **AGENT_STORE)  # the test hosts the store
     dist.init_process_group("cuda:gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     try:
         row_ids, probabilities, labels = (t[rank::world_size] for t in _rows())
@@ -61,7 +61,8 @@ def _on_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out_dir = tmp_path_factory.mktemp("host_group")
-    mp.start_processes(_on_rank, args=(2, free_port(), str(out_dir)), nprocs=2, start_method="spawn")
+    with rendezvous_port() as port:
+        mp.start_processes(_on_rank, args=(2, port, str(out_dir)), nprocs=2, start_method="spawn")
     return [pickle.loads((out_dir / f"rank{rank}.pkl").read_bytes()) for rank in range(2)]
 
 

@@ -17,13 +17,14 @@ import torch.multiprocessing as mp
 from app.distributed.rendezvous import join_process_group, long_wait_group, wait_for_every_rank
 from app.distributed.hbm_budget import least_hbm_over_ranks
 from app.distributed.topology import GIB, HBM_FREE_AT_PLANNING, PRESETS
-from multiprocess import free_port
+from multiprocess import AGENT_STORE, rendezvous_port
 
 COLLECTIVE_TIMEOUT_S = 30.0
 BARRIER_TIMEOUT_S = 3600.0
 
 
 def _rank(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(AGENT_STORE)  # the test hosts the rendezvous store at port
     join_process_group(
         "gloo", address="127.0.0.1", port=port, rank=rank, world_size=2, processes_per_node=2,
         rendezvous_timeout_s=60, timeout_s=COLLECTIVE_TIMEOUT_S,
@@ -50,15 +51,16 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_plans_for_the_least_free_hbm_and_long_waits_have_their_own_timeout_yet_see_a_dead_rank(tmp_path):
-    context = mp.start_processes(_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn", join=False)
-    # Fails fast if the wait after rank 1's death hangs (it must not wait for BARRIER_TIMEOUT_S).
-    for _ in range(12):
-        if context.join(timeout=10):
-            break
-    else:
-        for process in context.processes:
-            process.kill()
-        raise AssertionError("rank 0 still waits at the barrier 2 minutes after rank 1 died")
+    with rendezvous_port() as port:
+        context = mp.start_processes(_rank, args=(port, str(tmp_path)), nprocs=2, start_method="spawn", join=False)
+        # Fails fast if the wait after rank 1's death hangs (it must not wait for BARRIER_TIMEOUT_S).
+        for _ in range(12):
+            if context.join(timeout=10):
+                break
+        else:
+            for process in context.processes:
+                process.kill()
+            raise AssertionError("rank 0 still waits at the barrier 2 minutes after rank 1 died")
     ranks = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes()) for r in range(2)]
     for result in ranks:
         assert result["least"].hbm_cap_bytes == 60 * GIB  # rank 1's, on both ranks

@@ -31,7 +31,7 @@ from app.distributed.sharding import default_sharders
 from app.model.dlrm import build_embedding_bag_collection
 from app.train.module import DLRMModule
 from app.train.optimizers import build_optimizer, check_weight_decay, fuse_sparse_optimizer
-from multiprocess import cli_worker, free_port
+from multiprocess import cli_worker, rendezvous_port
 from test_cli import test_bad_settings_stop_before_any_worker_with_one_line as refused_before_launch
 from test_lr_schedule import fbgemm_kernels
 from test_sharding import fit_args
@@ -262,7 +262,8 @@ def test_sparse_decay_on_cpu_is_refused_before_the_first_step_and_evaluation_sta
     module.check_before_launch("cuda", "fit")
     # A real 1-process fit: refused in setup, before the first step, with one line naming the setting.
     args = fit_args(sample, tmp_path, "table_wise", 64) + ["--model.sparse_weight_decay", "1e-5"]
-    mp.start_processes(cli_worker, args=(1, free_port(), args, None, str(tmp_path)), nprocs=1, start_method="spawn")
+    with rendezvous_port() as port:
+        mp.start_processes(cli_worker, args=(1, port, args, None, str(tmp_path)), nprocs=1, start_method="spawn")
     error = pickle.loads((tmp_path / "rank0.pkl").read_bytes())["error"]
     assert error.startswith(
         "ValueError: model.sparse_weight_decay = 1e-05: FBGEMM's CPU embedding kernels drop the decay "

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from multiprocess import cli_worker, free_port
+from multiprocess import cli_worker, rendezvous_port, run_folder
 
 Inspect = Callable[[Any], dict[str, Any]]
 # One run of the tiny model is start-up (imports, CUDA context, planning) plus a few seconds of
@@ -33,19 +33,19 @@ def run_app(
 ) -> list[dict]:
     """Runs ``python -m app <args>`` on ``world_size`` spawned processes; returns each rank's inspect
     result, with the run's wall time in ``wall_s``. A rank's error or the deadline fails the test."""
-    out_dir = tmp_path / f"ranks{world_size}_{free_port()}"
-    out_dir.mkdir(parents=True)
+    out_dir = run_folder(tmp_path, f"ranks{world_size}")
     started = time.perf_counter()
-    context = mp.start_processes(
-        cli_worker, args=(world_size, free_port(), args, inspect, str(out_dir)), nprocs=world_size,
-        start_method="spawn", join=False,
-    )  # fmt: skip
-    deadline = started + timeout_s
-    while not context.join(timeout=max(0.0, deadline - time.perf_counter())):
-        if time.perf_counter() >= deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"python -m app {args[0]} on {world_size} process(es) did not end within {timeout_s:.0f} s")
+    with rendezvous_port() as port:
+        context = mp.start_processes(
+            cli_worker, args=(world_size, port, args, inspect, str(out_dir)), nprocs=world_size,
+            start_method="spawn", join=False,
+        )  # fmt: skip
+        deadline = started + timeout_s
+        while not context.join(timeout=max(0.0, deadline - time.perf_counter())):
+            if time.perf_counter() >= deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"python -m app {args[0]} on {world_size} process(es) did not end within {timeout_s:.0f} s")
     wall_s = time.perf_counter() - started
     results = [pickle.loads((out_dir / f"rank{rank}.pkl").read_bytes()) for rank in range(world_size)]
     for rank, result in enumerate(results):
