@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import gzip
 import re
-import time
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -700,23 +700,83 @@ def raised_by(read) -> str:
     return str(raised.value)
 
 
-def slow_block(monkeypatch, marker: bytes, seconds: float = 0.2) -> list[tuple[int, bool]]:
-    """Make the parse of the block holding ``marker`` slow, so that the blocks after it finish
-    first. Returns (first line, holds the marker) of each parse, in the order they finished."""
-    parse = tsv_pipeline._parse
-    finished: list[tuple[int, bool]] = []
+# A bound on the held-back parse's wait, never reached when the reader works: past it the parse goes
+# on and the test's overtaken() check fails instead of hanging.
+HOLD_LIMIT_S = 60
 
-    def delayed(buf, first_line_number, *args):
-        slow = marker in bytes(buf)
-        try:
-            if slow:
-                time.sleep(seconds)
+
+class SlowBlock:
+    """Holds back the parse of the block holding ``marker`` until the reader waits for its result and
+    blocks after it are done (their futures settled, result or error): the blocks holding
+    ``after_lines``, or else any later block; or until ``release(finished)`` says so. Later blocks thus
+    finish first, and the reader has seen them finish, whatever the machine's load. ``finished`` lists
+    (first line, holds the marker) of each block in the order their futures settled; the test may
+    ``note`` events of its own there."""
+
+    def __init__(self, monkeypatch, marker: bytes, after_lines: tuple[int, ...] = (), release=None) -> None:
+        self.finished: list[tuple[int, bool]] = []
+        self._blocks: dict[int, int] = {}  # first line -> lines, of every block started
+        self._reader_waits = False
+        self._changed = threading.Condition()
+        parse, start_parse = tsv_pipeline._parse, tsv_pipeline._start_parse
+
+        def ready(first_line: int) -> bool:
+            if release is not None:
+                return release(self.finished)
+            done = {line for line, _ in self.finished}
+            if after_lines:
+                later_done = all(any(f <= line < f + n and f in done for f, n in self._blocks.items()) for line in after_lines)
+            else:
+                later_done = any(line > first_line for line in done)
+            return later_done and self._reader_waits
+
+        def held_back(buf, first_line_number, *args):
+            if marker in bytes(buf):
+                with self._changed:
+                    self._changed.wait_for(lambda: ready(first_line_number), timeout=HOLD_LIMIT_S)
             return parse(buf, first_line_number, *args)
-        finally:
-            finished.append((first_line_number, slow))
 
-    monkeypatch.setattr(tsv_pipeline, "_parse", delayed)
-    return finished
+        def started(pool, args, *rest):
+            buf, first_line = bytes(args[0]), args[1]
+            with self._changed:
+                self._blocks[first_line] = buf.count(b"\n") + (not buf.endswith(b"\n"))
+            future = start_parse(pool, args, *rest)
+            future.add_done_callback(lambda _: self.note((first_line, marker in buf)))
+            return _Watched(future, self._reader_waits_now) if marker in buf else future
+
+        monkeypatch.setattr(tsv_pipeline, "_parse", held_back)
+        monkeypatch.setattr(tsv_pipeline, "_start_parse", started)
+
+    def _reader_waits_now(self) -> None:
+        with self._changed:
+            self._reader_waits = True
+            self._changed.notify_all()
+
+    def note(self, event: tuple[int, bool]) -> None:
+        with self._changed:
+            self.finished.append(event)
+            self._changed.notify_all()
+
+
+class _Watched:
+    """A future that calls ``on_wait`` when its result is asked for."""
+
+    def __init__(self, future, on_wait) -> None:
+        self._future = future
+        self._on_wait = on_wait
+
+    def result(self, timeout=None):
+        self._on_wait()
+        return self._future.result(timeout)
+
+    def __getattr__(self, name: str):
+        return getattr(self._future, name)
+
+
+def slow_block(monkeypatch, marker: bytes, after_lines: tuple[int, ...] = ()) -> list[tuple[int, bool]]:
+    """The block holding ``marker`` finishes after later blocks (``SlowBlock``); returns (first line,
+    holds the marker) of each block, in the order they finished."""
+    return SlowBlock(monkeypatch, marker, after_lines).finished
 
 
 def overtaken(finished: list[tuple[int, bool]]) -> bool:
@@ -783,7 +843,7 @@ def test_threads_report_the_first_bad_line_when_a_later_block_fails_first(tmp_pa
     monkeypatch.setattr(tsv, "CHUNK_BYTES", 2_000)  # about 7 lines per block
     want = raised_by(lambda: read_tsv(path, RAW, num_threads=1))
     assert want.startswith(f"{path}:100: field C7 = 'zzfirst' is not a hex id")
-    finished = slow_block(monkeypatch, b"zzfirst")
+    finished = slow_block(monkeypatch, b"zzfirst", after_lines=(120, 140))
     assert raised_by(lambda: read_tsv(path, RAW, num_threads=4)) == want
     assert overtaken(finished)  # the blocks of lines 120 and 140 failed while line 100's was slow
     finished.clear()
@@ -844,14 +904,16 @@ def test_threads_and_damaged_gzip(tmp_path, monkeypatch):
     bad.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode())[:-8])
     want = raised_by(lambda: read_tsv(bad, RAW, num_threads=1))
     assert want.startswith(f"{bad}:385: field C7 = 'zzlast'")
-    events = slow_block(monkeypatch, b"zzlast")
+    # The parse of line 385's block waits until the reader has met the damage.
+    slow = SlowBlock(monkeypatch, b"zzlast", release=lambda done: (0, False) in done)
+    events = slow.finished
     read_block = tsv_stream._read_block
 
     def noted_read_block(*args):
         try:
             return read_block(*args)
         except CriteoFormatError:
-            events.append((0, False))  # the damage was met
+            slow.note((0, False))  # the damage was met
             raise
 
     monkeypatch.setattr(tsv_stream, "_read_block", noted_read_block)
