@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+
+from app.distributed import health
 
 
 class StopRank(Callback):
@@ -29,13 +30,35 @@ class StopRank(Callback):
             os.kill(os.getpid(), self.signal)
 
 
-class SlowRank(Callback):
-    """Delays every training batch of global rank ``rank`` by ``delay_s``, as a straggling node would."""
+class VirtualTime:
+    """Stands in for the ``time`` module in app.distributed.health: ``perf_counter`` reads a clock that
+    moves only when SlowRank moves it, so the times between steps RankHealth measures are exact."""
 
-    def __init__(self, rank: int = 1, delay_s: float = 0.2) -> None:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now_s
+
+
+class SlowRank(Callback):
+    """Global rank ``rank`` takes ``delay_s`` longer before every training batch, as a straggling node
+    would, on the clock RankHealth reads (a virtual one: no rank sleeps, and no other rank's time moves).
+
+    RankHealth reads ``time.perf_counter`` through its module's ``time``, which ``setup`` replaces on
+    every rank; it has no clock of its own to pass (app/distributed/health.py). Runs before RankHealth's
+    hooks (LightningCLI puts trainer.callbacks before the rank_health callback), so the delay falls
+    between RankHealth's end of one batch and start of the next.
+    """
+
+    def __init__(self, rank: int = 1, delay_s: float = 0.25) -> None:
         self.rank = rank
         self.delay_s = delay_s
+        self.clock = VirtualTime()
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        health.time = self.clock  # type: ignore[assignment]
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if trainer.global_rank == self.rank:
-            time.sleep(self.delay_s)
+            self.clock.now_s += self.delay_s

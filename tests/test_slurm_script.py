@@ -66,6 +66,7 @@ def test_srun_gets_the_cpus_per_task_and_no_interface_is_forced(tmp_path):
     assert seen["OMP_NUM_THREADS"] == "8"
     # NCCL's own choice (InfiniBand first) unless the user names an interface.
     assert "NCCL_SOCKET_IFNAME" not in seen and "GLOO_SOCKET_IFNAME" not in seen
+    assert "MASTER_PORT" not in seen  # the app's port of the job and step (app/distributed/launch.py)
 
 
 def test_net_ifname_sets_the_interface_of_nccl_and_gloo(tmp_path):

@@ -3,12 +3,16 @@
 When torchrun, SLURM or MPI creates the processes, Lightning trusts ``trainer.devices`` x
 ``trainer.num_nodes`` as the world size and never compares it with the number of processes actually
 started (its check runs only in its own launcher): a mismatch would wait at the rendezvous for ranks
-that do not exist. This module compares them before anything starts.
+that do not exist. This module compares them before anything starts, gives the tasks of a
+SLURM job a rendezvous port of their own (``slurm_main_port``), and refuses network-interface
+settings that gloo or NCCL would fail on only after the launch (``check_network_interfaces``).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 
 from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment, SLURMEnvironment
 
@@ -28,10 +32,25 @@ def set_collective_error_defaults() -> None:
         os.environ.setdefault(name, value)
 
 
+# Ports for SLURM jobs: below Linux's ephemeral range (32768-60999, net.ipv4.ip_local_port_range), so
+# that no outgoing connection of another process sits on one; from Lightning's own base.
+SLURM_PORT_BASE = 15000
+SLURM_PORT_COUNT = 32768 - SLURM_PORT_BASE
+# A prime: the steps of one job get ports this far apart (no two of the first SLURM_PORT_COUNT collide).
+_STEP_STRIDE = 1009
+
+
 def check_launch(environment: ClusterEnvironment, devices: int, num_nodes: int) -> None:
     """Raises ValueError when an external launcher started another number of processes than
-    ``devices`` x ``num_nodes``, or when srun started several tasks that Lightning does not see as SLURM's."""
+    ``devices`` x ``num_nodes``, or when srun started several tasks that Lightning does not see as SLURM's;
+    exports the SLURM job's rendezvous port (``set_slurm_main_port``); checks the interface settings."""
     check_slurm_detected(environment)
+    set_slurm_main_port(environment)
+    try:
+        main_address = environment.main_address
+    except KeyError:  # torchrun's MASTER_ADDR missing: the rendezvous will say so
+        main_address = "127.0.0.1"
+    check_network_interfaces(main_address, num_nodes)
     # Lightning's own launcher (and its children) start exactly devices x num_nodes by construction.
     if not environment.creates_processes_externally or isinstance(environment, LightningEnvironment):
         return
@@ -60,3 +79,72 @@ def check_slurm_detected(environment: ClusterEnvironment) -> None:
             "detect SLURM: each task would start its own processes. Give the job another name (sbatch/srun "
             "--job-name=dlrm), or run one task that launches the rest (srun --ntasks=1 ... or torchrun)"
         )
+
+
+def slurm_main_port(job_id: int, step_id: int) -> int:
+    """The rendezvous port of a SLURM job step: its job id modulo the 17,768 ports of SLURM_PORT_BASE..32767,
+    so that any two jobs fewer than 17,768 ids apart (those that run at the same time) differ, and
+    further steps of the job each get another port.
+
+    Lightning's own rule, 15000 + the job id's last four digits (``SLURMEnvironment.main_port``), gives
+    jobs 10,000 ids apart the same port: two of them sharing a node cannot both host their rendezvous.
+    (Each task of a job array has a job id of its own: SLURM_JOB_ID, not SLURM_ARRAY_JOB_ID.)
+    """
+    return SLURM_PORT_BASE + (job_id + _STEP_STRIDE * step_id) % SLURM_PORT_COUNT
+
+
+def set_slurm_main_port(environment: ClusterEnvironment) -> None:
+    """Exports ``MASTER_PORT`` = ``slurm_main_port`` of SLURM_JOB_ID and SLURM_STEP_ID for a SLURM task,
+    unless the user set it: Lightning's SLURM environment then reads it instead of its own rule. Every
+    task of the step computes the same port from the same variables, on every node."""
+    if not isinstance(environment, SLURMEnvironment) or "MASTER_PORT" in os.environ:
+        return
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    step_id = os.environ.get("SLURM_STEP_ID", "0")
+    if job_id.isdigit():  # else Lightning's default port, as without SLURM
+        os.environ["MASTER_PORT"] = str(slurm_main_port(int(job_id), int(step_id) if step_id.isdigit() else 0))
+
+
+def check_network_interfaces(main_address: str, num_nodes: int) -> None:
+    """Raises ValueError for a GLOO_SOCKET_IFNAME or NCCL_SOCKET_IFNAME naming no interface of this node
+    (gloo and NCCL fail on it only once the process group is created), and for a run of several nodes
+    where gloo, left to choose, would give the other nodes a loopback address (``_gloo_host_address``)."""
+    interfaces = [name for _, name in socket.if_nameindex()]
+    here = f"this node ({socket.gethostname()}) has {', '.join(interfaces)}"
+    gloo = os.environ.get("GLOO_SOCKET_IFNAME")
+    if gloo:  # a comma-separated list of exact names (torch's ProcessGroupGloo)
+        missing = [name for name in gloo.split(",") if name not in interfaces]
+        if missing:
+            raise ValueError(f"GLOO_SOCKET_IFNAME={gloo}: no interface {', '.join(missing)}: {here}; name one, or unset it")
+    nccl = os.environ.get("NCCL_SOCKET_IFNAME")
+    if nccl and not nccl.startswith("^"):  # NCCL: prefixes, "=" exact names, "^" names to avoid
+        exact, wanted = nccl.startswith("="), nccl.lstrip("=").split(",")
+        if not any(name == w if exact else name.startswith(w) for name in interfaces for w in wanted):
+            raise ValueError(f"NCCL_SOCKET_IFNAME={nccl}: matches no interface: {here}; name one, or unset it")
+    if num_nodes > 1 and not gloo and not _is_loopback(main_address):
+        address = _gloo_host_address()
+        if _is_loopback(address):
+            raise ValueError(
+                f"gloo would offer the other {num_nodes - 1} node(s) {address}, a loopback address they cannot "
+                f"connect to (this node's host name {socket.gethostname()!r} resolves to it, or to nothing); set "
+                f"GLOO_SOCKET_IFNAME to the interface that reaches {main_address} ({here}; with "
+                "scripts/slurm_fit.sbatch: NET_IFNAME)"
+            )
+
+
+def _gloo_host_address() -> str:
+    """The address gloo binds and offers to the other ranks when GLOO_SOCKET_IFNAME is unset: the first
+    that the host name resolves to, else 127.0.0.1 (torch's ProcessGroupGloo::createDefaultDevice).
+    Written here because torch has no call that returns it."""
+    try:
+        return socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM)[0][4][0]
+    except (OSError, IndexError):
+        return "127.0.0.1"
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) is this machine's loopback; an unknown name is not."""
+    try:
+        return ipaddress.ip_address(socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]).is_loopback
+    except (OSError, IndexError, ValueError):
+        return False

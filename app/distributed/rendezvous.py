@@ -11,6 +11,11 @@ Also the barrier for waits longer than the collective timeout (``wait_for_every_
 rank works alone (rank 0 publishing a checkpoint and deleting the previous one, a rank with more
 shards to write), the others wait on a gloo group with its own, longer timeout instead of in an NCCL
 collective, whose watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) ends the job after ``timeout_s``.
+
+Two jobs given the same port on one node (SLURM's port rule, a copied ``MASTER_PORT``): the second
+job's rank 0 cannot host its store, and its other ranks would join the first job's rendezvous. Each
+job checks in under its own name (SLURM job, torchrun run), and a rank that finds another
+job's name at the store ends at once, with a line naming both and the port.
 """
 
 from __future__ import annotations
@@ -25,6 +30,11 @@ import torch.distributed as dist
 
 _POLL_S = 0.2
 _FIX = "raise trainer.strategy.init_args.rendezvous_timeout_s if nodes start far apart"
+_PORT_FIX = (
+    "export MASTER_PORT=<a free port, 1024-32767> for every task of the job (under SLURM the app derives it "
+    "from the job and step id: app/distributed/launch.py)"
+)
+_OWNER_KEY = "app_rendezvous/job"
 
 
 class RendezvousError(ValueError):
@@ -49,7 +59,9 @@ def join_process_group(
         return  # a second trainer.validate()/test() in the same processes
     where = f"{address}:{port}"
     store = _connect(address, port, rank, world_size, rendezvous_timeout_s)
-    _wait_for_everyone(store, where, rank, world_size, processes_per_node, rendezvous_timeout_s)
+    job = job_name()
+    _check_the_store_is_this_jobs(store, where, rank, job)
+    _wait_for_everyone(store, where, rank, world_size, processes_per_node, rendezvous_timeout_s, job)
     store.set_timeout(timedelta(seconds=timeout_s))
     kwargs = {"device_id": device_id} if device_id is not None else {}
     # The same prefix init_process_group gives a store it creates itself.
@@ -111,6 +123,11 @@ def _connect(address: str, port: int, rank: int, world_size: int, timeout_s: flo
             multi_tenant=True,
         )
     except RuntimeError as error:  # DistNetworkError / DistStoreError: unreachable, or the port is taken
+        if rank == 0 and not hosted_by_agent and "EADDRINUSE" in str(error):
+            raise RendezvousError(
+                f"rank 0 could not host the rendezvous at {address}:{port}: port {port} is already in use on this "
+                f"node (another job's rendezvous?); {_PORT_FIX}"
+            ) from None
         if rank == 0 and not hosted_by_agent:
             raise RendezvousError(f"rank 0 could not host the rendezvous at {address}:{port}: {error}") from None
         raise RendezvousError(
@@ -120,11 +137,38 @@ def _connect(address: str, port: int, rank: int, world_size: int, timeout_s: flo
         ) from None
 
 
+def job_name() -> str:
+    """What names this job to the ranks of another job that reach its rendezvous: SLURM's job id (not the
+    step's: nodes started by separate srun steps of one job are one run), torchrun's run id; empty under
+    Lightning's launcher, which has no name shared by every node."""
+    if "SLURM_JOB_ID" in os.environ:
+        return f"SLURM job {os.environ['SLURM_JOB_ID']}"
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return f"torchrun run {os.environ['TORCHELASTIC_RUN_ID']}"
+    return ""
+
+
+def _check_the_store_is_this_jobs(store: dist.Store, where: str, rank: int, job: str) -> None:
+    """Rank 0 writes the job's name at the store; another rank raises when it finds another job's there
+    (rank 0 may not have written it yet: ``_wait_for_everyone`` looks again while it waits)."""
+    if rank == 0:
+        store.set(_OWNER_KEY, job)
+        return
+    owner = store.get(_OWNER_KEY).decode() if store.check([_OWNER_KEY]) else job
+    if owner != job:
+        raise RendezvousError(
+            f"rank {rank} of {job or 'this job'} found the rendezvous at {where} held by {owner or 'another job'}: "
+            f"two jobs were given the same port on one node; {_PORT_FIX}"
+        )
+
+
 def _wait_for_everyone(
-    store: dist.Store, where: str, rank: int, world_size: int, processes_per_node: int, timeout_s: float
+    store: dist.Store, where: str, rank: int, world_size: int, processes_per_node: int, timeout_s: float, job: str
 ) -> None:
-    # A restarted torchrun job reuses the agent's store: count each attempt under its own prefix.
-    store = dist.PrefixStore(f"app_rendezvous/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    # A restarted torchrun job reuses the agent's store: count each attempt under its own prefix; and each
+    # job under its own name, so that ranks of another job that reach this store are never counted.
+    owner_store = store
+    store = dist.PrefixStore(f"app_rendezvous/{job}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
     store.set(f"rank{rank}", "joined")
     joined = store.add("joined", 1)
     deadline = time.monotonic() + timeout_s
@@ -132,6 +176,8 @@ def _wait_for_everyone(
         while joined < world_size and time.monotonic() < deadline:
             time.sleep(_POLL_S)
             joined = store.add("joined", 0)
+            if rank != 0:
+                _check_the_store_is_this_jobs(owner_store, where, rank, job)
         if joined >= world_size:
             return
         missing = [r for r in range(world_size) if not store.check([f"rank{r}"])]
