@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from app.train.module import DLRMModule
 from app.train.pipeline import carry_step_count, resolve_pipeline
@@ -48,6 +49,7 @@ def pipeline_args(sample, root, pipeline: str, *extra: str) -> list[str]:
         "--trainer.val_check_interval", "0.5",
         "--trainer.callbacks+=training_probe.TrainingProbe",
         "--trainer.callbacks+=gradient_probe.GradientProbe",
+        "--trainer.callbacks+=training_probe.StepClock",
         "--trainer.gradient_clip_val", str(GRADIENT_CLIP_VALUE),
         "--trainer.gradient_clip_algorithm", "value",
         "--trainer.log_every_n_steps", str(LOG_EVERY_N_STEPS),
@@ -102,6 +104,50 @@ def test_gradient_clipping_applies_in_the_pipelined_step_as_in_the_plain_loop(pl
         assert sparse_dist["ranks"][rank]["steps"] == plain[rank]["steps"]
 
 
+def weights_and_gradients(cli) -> dict:
+    """Every parameter after training (a one-rank run: whole tables), and the largest gradient left
+    on the dense layers and on the tables that have one (replicated: fused ones have none)."""
+    module = cli.trainer.lightning_module
+    weights = {
+        key: (value.local_shards()[0].tensor if isinstance(value, ShardedTensor) else value).clone()
+        for key, value in module.state_dict().items()
+    }
+    largest = {"dense": 0.0, "tables": 0.0}
+    for name, parameter in module.named_parameters():
+        if isinstance(parameter.grad, torch.Tensor):
+            part = "tables" if ".embedding_bags." in name else "dense"
+            largest[part] = max(largest[part], float(parameter.grad.abs().max()))
+    return {"weights": weights, "largest_gradients": largest}
+
+
+def test_gradient_clipping_clips_the_dense_layers_and_leaves_every_table_alone(sample, tmp_path):
+    # One step from the same start with and without clipping, t_cat_0 replicated (data_parallel: its
+    # gradient is in Lightning's optimizer), the other tables fused (updated inside backward).
+    replicated = "model.sparse_arch.embedding_bag_collection.embedding_bags.t_cat_0.weight"
+    runs = {}
+    for clip in (None, GRADIENT_CLIP_VALUE):
+        root = tmp_path / f"clip_{clip}"
+        args = fit_args(sample, root, "table_wise", 128) + [
+            "--trainer.max_steps", "1", "--trainer.limit_val_batches", "0",
+            "--trainer.strategy.table_constraints", "{t_cat_0: {sharding_types: [data_parallel]}}",
+        ]  # fmt: skip
+        if clip is not None:
+            args += ["--trainer.gradient_clip_val", str(clip), "--trainer.gradient_clip_algorithm", "value"]
+        (runs[clip],) = run_on_ranks(1, args, root, weights_and_gradients)
+    unclipped, clipped = runs[None], runs[GRADIENT_CLIP_VALUE]
+    # The dense layers' gradients clipped to the value, the replicated table's left as it was.
+    assert clipped["largest_gradients"]["dense"] == float(torch.tensor(GRADIENT_CLIP_VALUE))
+    assert unclipped["largest_gradients"]["dense"] > 100 * GRADIENT_CLIP_VALUE
+    assert clipped["largest_gradients"]["tables"] == unclipped["largest_gradients"]["tables"] > GRADIENT_CLIP_VALUE
+    tables = [key for key in unclipped["weights"] if ".embedding_bags." in key]
+    assert len(tables) == 26 and replicated in tables
+    for key, weight in unclipped["weights"].items():
+        if key in tables:  # fused and replicated tables alike: the update of the unclipped run
+            assert torch.equal(clipped["weights"][key], weight), key
+    dense = [key for key in unclipped["weights"] if key.startswith("model.") and key not in tables]
+    assert dense and all(not torch.equal(clipped["weights"][key], unclipped["weights"][key]) for key in dense)
+
+
 def test_validation_mid_epoch_neither_loses_nor_repeats_a_training_batch(plain, sparse_dist):
     ranks = sparse_dist["ranks"]
     first_epoch = [row for rank in ranks for s in rank["steps"] if s[0] == 0 for row in s[3]]
@@ -145,7 +191,8 @@ def test_train_loss_is_written_every_n_steps_as_the_mean_since_the_last_write(pl
         # Lightning writes step metrics after every 4th batch; its step column counts from 0.
         written_batches = list(range(LOG_EVERY_N_STEPS, MAX_STEPS + 1, LOG_EVERY_N_STEPS))
         assert [int(row["step"]) for row in rows] == [n - 1 for n in written_batches]
-        assert all(float(row["train/samples_per_sec"]) > 0 for row in rows)
+        # Under a clock of one second per step: the 64 rows of each of the 2 ranks, per step.
+        assert [float(row["train/samples_per_sec"]) for row in rows] == [2 * 64.0] * len(written_batches)
         losses = [step[2] for step in rank0["steps"]]
         expected = [np.mean(losses[n - LOG_EVERY_N_STEPS : n], dtype=np.float32) for n in written_batches]
         assert [float(row["train/loss"]) for row in rows] == pytest.approx(expected, rel=1e-6)

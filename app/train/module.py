@@ -31,6 +31,7 @@ from app.train.optimizers import (
     check_optimizer_names,
     check_sparse_weight_decay_device,
     check_weight_decay,
+    dense_layers_optimizer,
     fuse_sparse_optimizer,
 )
 from app.train.pipeline import (
@@ -336,6 +337,18 @@ class DLRMModule(LightningModule):
     def predict_step(self, batch: CriteoBatch, batch_idx: int) -> dict[str, torch.Tensor]:
         valid = batch.valid_rows
         return {"row_ids": batch.row_ids[valid], "probabilities": torch.sigmoid(self(batch).float())[valid]}
+
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: float | None = None, gradient_clip_algorithm: str | None = None
+    ) -> None:
+        """``trainer.gradient_clip_val`` applied to the dense layers only (docs/training.md).
+
+        Tables with a fused optimizer are updated inside backward and have no gradient left to clip;
+        a table the planner replicated (data_parallel) does, but clipping it would train it unlike the
+        same table sharded, so Lightning's clipping over every group of the optimizer is narrowed to
+        the dense layers' part.
+        """
+        self.clip_gradients(dense_layers_optimizer(optimizer), gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> Any:
         """Everything but the sharded tables, whose optimizer already runs inside the embedding backward,

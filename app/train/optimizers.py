@@ -275,3 +275,12 @@ def _table_name(parameter_name: str) -> str:
     """``t_cat_3`` for ``model.sparse_arch.embedding_bag_collection.embedding_bags.t_cat_3.weight``."""
     parts = parameter_name.split(".")
     return parts[-2] if len(parts) > 1 and parts[-1] == "weight" else parameter_name
+
+
+def dense_layers_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The part of ``optimizer`` that updates the dense layers: the ``dense`` entry of ``build_optimizer``'s
+    combined optimizer, itself the ``dense`` entry of the strategy's (beside the fused ``sparse`` one);
+    ``optimizer`` itself when it is neither."""
+    while isinstance(optimizer, CombinedOptimizer) and "dense" in dict(optimizer.optimizers):
+        optimizer = dict(optimizer.optimizers)["dense"]
+    return optimizer

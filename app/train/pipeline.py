@@ -148,9 +148,9 @@ def clip_dense_gradients(module: LightningModule) -> None:
     its configuration check that refuses clipping with manual optimization runs before the module's
     ``setup`` turns it on): the pipeline's step calls the module's ``configure_gradient_clipping``
     itself, between the backward the pipeline ran and the optimizer step, with the same arguments
-    Lightning's automatic loop passes. It clips what has gradients: the dense part (already
-    all-reduced by DDP in backward) and replicated tables. Tables with a fused optimizer were updated
-    inside backward by FBGEMM and have no gradient to clip, in the plain loop as here.
+    Lightning's automatic loop passes. The module's hook clips the dense part only (already
+    all-reduced by DDP in backward), as in the plain loop: tables with a fused optimizer were updated
+    inside backward by FBGEMM, and replicated tables are left as their sharded kind would be.
     (Unlike the plain loop, the clipping comes before the ``on_before_optimizer_step`` hooks.)
     """
     trainer = module.trainer
