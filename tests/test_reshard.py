@@ -22,7 +22,7 @@ loading (validate), not on training.
 from __future__ import annotations
 
 import json
-import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -75,6 +75,62 @@ def test_fit_resumed_on_one_rank_continues_the_two_rank_run(checkpoint_writer, r
     np.testing.assert_allclose(
         resumed["probabilities"], uninterrupted["probabilities"], rtol=0, atol=TOLERANCE_ACROSS_WORLD_SIZES
     )
+
+
+def _loaded_accumulators(cli) -> dict:
+    (probe,) = [c for c in cli.trainer.callbacks if type(c).__name__ == "LoadedAccumulators"]
+    return {"accumulators": probe.accumulators}
+
+
+def _saved_tensor(checkpoint, key: str) -> torch.Tensor:
+    """The whole tensor saved under ``key`` (optimizer_states.0.state.<key>), read on this process."""
+    saved_key = f"optimizer_states.0.state.{key}"
+    metadata = dcp.FileSystemReader(checkpoint).read_metadata().state_dict_metadata[saved_key]
+    tensor = {saved_key: torch.empty(metadata.size, dtype=metadata.properties.dtype)}
+    dcp.load(tensor, checkpoint_id=checkpoint, no_dist=True)
+    return tensor[saved_key]
+
+
+def test_resumed_under_another_plan_each_tables_row_wise_adagrad_state_is_loaded_merged_or_split(checkpoint_writer, sample, tmp_path):
+    # The writer's step-8 state loaded under a plan that changes four tables' layouts, read back as
+    # training starts (before any step): t_cat_0 data_parallel -> table-wise, SPLIT_TABLE's two column
+    # shards -> one table-wise shard (merged), t_cat_2 table-wise -> two column shards (split),
+    # t_cat_3 table-wise -> data_parallel.
+    step8 = checkpoint_writer["root"] / "checkpoints" / "step=8.ckpt"
+    plan = plan_args("table_wise", {"t_cat_2": {"sharding_types": ["column_wise"], "min_partition": 4},
+                                    "t_cat_3": {"sharding_types": ["data_parallel"]}})  # fmt: skip
+    extra = ["--ckpt_path", str(step8), "--trainer.max_steps", "9", "--trainer.callbacks+=optimizer_state_probe.LoadedAccumulators"]
+    ranks = run_on_ranks(2, fit_with_checkpoints(sample, tmp_path, 2, plan, extra), tmp_path, _loaded_accumulators)
+
+    fused = "sparse.model.sparse_arch.embedding_bag_collection.embedding_bags.{0}.weight.{0}.momentum1"
+    replicated = "dense.replicated_tables.model.sparse_arch.embedding_bag_collection.embedding_bags.{0}.weight.sum"
+    saved = {
+        "t_cat_0": _saved_tensor(step8, replicated.format("t_cat_0")),  # (500, 1)
+        SPLIT_TABLE: _saved_tensor(step8, fused.format(SPLIT_TABLE)),  # (1000,): columns 0-3's rows, then 4-7's
+        "t_cat_2": _saved_tensor(step8, fused.format("t_cat_2")),
+        "t_cat_3": _saved_tensor(step8, fused.format("t_cat_3")),
+    }
+    assert saved["t_cat_0"].shape == (500, 1) and saved[SPLIT_TABLE].shape == (1000,)
+    left, right = saved[SPLIT_TABLE].double().split(500)
+    expected = {
+        "t_cat_0": (fused.format("t_cat_0"), saved["t_cat_0"].reshape(500)),
+        # Each row's mean over all 8 columns: the mean of the two 4-column shards' accumulators.
+        SPLIT_TABLE: (fused.format(SPLIT_TABLE), ((left + right) / 2).float()),
+        # Each 4-column shard starts from the whole row's accumulator: both stacked, (1000,).
+        "t_cat_2": (fused.format("t_cat_2"), saved["t_cat_2"].repeat(2)),
+        "t_cat_3": (replicated.format("t_cat_3"), saved["t_cat_3"].reshape(500, 1)),
+    }
+    for table, (key, values) in expected.items():
+        pieces = [(rank, piece) for rank, r in enumerate(ranks) if table in r["accumulators"] for piece in [r["accumulators"][table]]]
+        assert {piece[0] for _, piece in pieces} == {key}, table
+        held = sorted(((offset, tensor) for _, (_, parts) in pieces for offset, tensor in parts), key=lambda piece: piece[0])
+        if table == "t_cat_3":  # a replica on both ranks
+            assert len(held) == 2 and all(torch.equal(tensor, values) for _, tensor in held)
+            continue
+        assert [offset for offset, _ in held] == list(range(0, len(values), 500)), table  # every row once
+        for offset, tensor in held:
+            assert torch.equal(tensor, values[offset : offset + len(tensor)]), table
+    assert not torch.equal(left, right)  # the merge had two different halves to average
 
 
 def test_validate_on_three_ranks_under_another_plan_scores_as_the_two_rank_writer(checkpoint_writer, sample, tmp_path):
@@ -234,8 +290,12 @@ def _shards_predictions_and_kernel_steps(cli) -> dict:
 
 def test_a_plan_saved_with_gpu_placements_resumes_on_cpu_and_the_kernels_continue_the_step_count(checkpoint_writer, sample, tmp_path):
     # The writer's step-8 checkpoint as a GPU run would have written it: every placement on cuda:<rank>.
+    # Copied with `cp -rL` as docs/checkpoints.md says a checkpoint may be: the link becomes a plain folder.
     checkpoint = tmp_path / "gpu_written.ckpt"
-    shutil.copytree(checkpoint_writer["root"] / "checkpoints" / "step=8.ckpt", checkpoint)
+    link = checkpoint_writer["root"] / "checkpoints" / "step=8.ckpt"
+    assert link.is_symlink()
+    subprocess.run(["cp", "-rL", str(link), str(checkpoint)], check=True, timeout=60)
+    assert checkpoint.is_dir() and not checkpoint.is_symlink()
     meta = json.loads((checkpoint / "meta.json").read_text())
     for parameters in meta["sharding_plan"]["modules"].values():
         for parameter in parameters.values():
