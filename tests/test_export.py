@@ -29,7 +29,10 @@ def test_the_exported_file_is_plain_tensors_and_hyper_parameters(exported):
 
 
 def test_predict_from_the_exported_file_equals_the_sharded_checkpoint(exported, checkpoint_writer, sample, tmp_path):
-    args = eval_args(sample, tmp_path, "predict", 1, exported, plan_args("table_wise", {}))
+    # The file's hyper-parameters set the model (docs/checkpoints.md): other model settings on the
+    # command line, which would build another network, give way to them.
+    other_model = ["--model.interaction", "cat", "--model.dense_arch_layer_sizes", "[32, 8]", "--model.over_arch_layer_sizes", "[32, 16, 1]"]
+    args = eval_args(sample, tmp_path, "predict", 1, exported, plan_args("table_wise", {})) + other_model
     (result,) = run_on_ranks(1, args, tmp_path, shards_and_predictions)
     np.testing.assert_allclose(result["probabilities"], checkpoint_writer["result"]["probabilities"], rtol=0, atol=1e-6)
     lines = (tmp_path / "predictions.tsv").read_text().splitlines()  # under trainer.default_root_dir
