@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -134,7 +135,7 @@ def test_resume_redoes_only_the_lost_day(tmp_path, capsys) -> None:
     mtimes = {p.name: p.stat().st_mtime_ns for p in out.glob("day_*")}
     for part in ("dense", "sparse", "labels"):
         (out / f"day_1_{part}.npy").unlink()
-    (out / "day_0_dense.npy.partial").write_bytes(b"left over by a crash")  # ignored: day 0 is complete
+    (out / "day_0_dense.npy.partial-node7-123").write_bytes(b"left over by a crash")  # ignored: day 0 is complete
     capsys.readouterr()
     assert run_main(files, out) == 0
     log = capsys.readouterr()
@@ -229,7 +230,7 @@ def test_malformed_input_names_file_and_line_and_leaves_no_day(tmp_path, capsys)
     assert run_main([good, bad], out) == 2
     assert f"{bad}:7: field I1" in capsys.readouterr().err
     assert not list(out.glob("day_1_*"))  # no partial day under a final name
-    assert not list(out.glob("*.partial"))
+    assert not list(out.glob("*.partial*"))  # the aborted day's files under their writer's names too
 
 
 @pytest.mark.parametrize(
@@ -306,9 +307,10 @@ def test_streaming_writer_patches_the_header(tmp_path) -> None:
     for part in parts:
         writer.write(part)
     writer.finish()
+    assert writer.partial.name == f"x.npy.partial-{socket.gethostname()}-{os.getpid()}"  # this writer's own
     writer.commit()
     np.testing.assert_array_equal(np.load(tmp_path / "x.npy", mmap_mode="r"), np.concatenate(parts))
-    assert not os.path.exists(tmp_path / "x.npy.partial")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
 
 
 def test_distinct_ids_are_exact() -> None:
