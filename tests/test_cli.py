@@ -103,3 +103,25 @@ def _child_processes() -> list[str]:
         except (OSError, ValueError):
             continue  # the process ended while being read
     return children
+
+
+def test_fp16_mixed_precision_is_refused_on_gpus(recwarn):
+    # trainer.precision 16-mixed on GPUs: loss scaling would sit between backward and the optimizer
+    # step, where the fused embedding update has already happened (docs/training.md). (On CPU Lightning
+    # itself turns 16-mixed into bf16-mixed with a warning; 16-true is refused in test_hbm_budget.py.)
+    # No GPU here: the strategy's check is given the precision plugin Lightning builds for one.
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from app.distributed.strategy import TorchRecStrategy
+
+    strategy = TorchRecStrategy()
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cuda")  # warns here: no CUDA to scale on
+    with pytest.raises(ValueError) as refused:
+        strategy._reject_settings_fused_updates_cannot_honour(SimpleNamespace(accumulate_grad_batches=1))
+    assert str(refused.value) == (
+        "trainer.precision = 16-mixed: fp16 loss scaling cannot reach the fused embedding update; use bf16-mixed"
+    )
+    strategy.precision_plugin = MixedPrecision("bf16-mixed", "cuda")
+    strategy._reject_settings_fused_updates_cannot_honour(SimpleNamespace(accumulate_grad_batches=1))  # accepted
