@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from app.data.datamodule import CriteoDataModule
 
 
@@ -32,6 +34,10 @@ def _set_up(train: Path, cache_dir: Path, per_node: bool, global_rank: int, loca
 
 def test_with_prepare_data_per_node_false_only_global_rank_0_converts(sample, tmp_path, capsys):
     shared = tmp_path / "shared_cache"
+    # Node 1's first rank leaves the conversion to global rank 0: alone (before it), it finds no cache.
+    with pytest.raises(ValueError, match=r"shared_cache/train-[0-9a-f]+ is not complete"):
+        _set_up(sample["train"], shared, per_node=False, global_rank=1, local_rank=0)
+    assert "preprocessed" not in capsys.readouterr().out
     node0 = _set_up(sample["train"], shared, per_node=False, global_rank=0, local_rank=0)
     assert "preprocessed 1,536 rows" in capsys.readouterr().out  # global rank 0 converted
     node1 = _set_up(sample["train"], shared, per_node=False, global_rank=1, local_rank=0)
