@@ -166,11 +166,11 @@ def fit_args(sample: dict[str, Path], root: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def job(args: list[str], slurm_job_id: str, **popen) -> subprocess.Popen:
-    """A "job" of its own: its own process tree, its own fake SLURM job id (no other SLURM variable,
-    so Lightning's launcher runs it)."""
+def job(args: list[str], slurm_job_id: str, extra_env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+    """A "job" of its own: its own process tree, its own fake SLURM job id (and ``extra_env``; not the
+    variables that make Lightning see SLURM, so Lightning's launcher runs it)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "APP_TRACEBACK"))}
-    env.update(SLURM_JOB_ID=slurm_job_id, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]))
+    env.update(SLURM_JOB_ID=slurm_job_id, PYTHONPATH=os.pathsep.join([str(TESTS.parent), str(TESTS)]), **(extra_env or {}))
     return subprocess.Popen(args, env=env, cwd=TESTS.parent, text=True, **popen)
 
 
@@ -180,7 +180,7 @@ def test_a_second_job_on_a_run_folder_in_use_is_refused_and_the_first_finishes(s
     try:
         read_until(first.stdout, "READY")  # the first job trains (it holds the folder since start-up)
         code, _, err = finish(job(fit_args(sample, root), "5002", stdin=subprocess.DEVNULL, stderr=subprocess.PIPE))
-        assert code == 2
+        assert code == 2 and "Traceback" not in err, err[-3000:]
         lines = [line for line in err.splitlines() if line.startswith("error:")]
         assert len(lines) == 1 and lines[0].startswith(
             f"error: run folder {root} is in use by SLURM job 5001, pid {first.pid} on "
@@ -211,3 +211,15 @@ def test_an_unfinished_checkpoint_folder_of_a_live_writer_here_is_left_alone(liv
     os.symlink(current.name, link)
     checkpoint_format._remove_unlinked_folders(link)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["last.ckpt", current.name, live.name])
+
+
+def test_a_requeued_job_takes_its_run_folder_over_from_its_earlier_run_on_another_host(sample, tmp_path):
+    root = tmp_path / "run"
+    earlier = record(root / LOCK_FILE, host="node-before-requeue", pid=4321, slurm_job_id="6001", slurm_restart_count=0)
+    requeued = job(fit_args(sample, root), "6001", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                   extra_env={"SLURM_RESTART_COUNT": "1"})  # fmt: skip
+    code, out, _ = finish(requeued)
+    assert code == 0, out[-3000:]
+    assert f"run folder {root}: taken over from {earlier.describe()}, which has ended" in out
+    assert checkpoint_format.read(root / "checkpoints" / "last.ckpt").meta["global_step"] == 3
+    assert not (root / LOCK_FILE).exists()
