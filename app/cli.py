@@ -87,6 +87,12 @@ class DLRMCLI(LightningCLI):
             self.model.check_before_launch(self.trainer.strategy.root_device.type)
         if self.subcommand and self.trainer.global_rank == 0 and isinstance(self.datamodule, CriteoDataModule):
             self.datamodule.check_inputs(self.subcommand)
+        # Pre-emption signals are recorded from here on, in every process (each rank runs this CLI), before
+        # any work (prepare_data's conversion) and before Lightning installs its own handlers. After the
+        # checks above: a refused setting leaves the process's handlers as they were.
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, SaveOnSignal):
+                callback.install(self.trainer)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         if config.get("enable_checkpointing") is False:

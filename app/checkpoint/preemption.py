@@ -1,13 +1,28 @@
-"""Save a complete checkpoint when the scheduler pre-empts the job (SIGTERM, SIGUSR1), then stop.
+"""Save a complete checkpoint when the scheduler pre-empts the job (SIGTERM, SIGUSR1), requeue, then stop.
 
 SLURM sends the signal named by ``#SBATCH --signal=SIGUSR1@90`` 90 s before the end of the
-allocation; Kubernetes and ``scancel`` send SIGTERM. Lightning's own handlers do not fit a sharded
-checkpoint: its SIGUSR1 handler saves from inside the signal handler (a collective there deadlocks
-when the signal reaches only some ranks) and its SIGTERM handler exits without saving. Here the
-handler only records the signal; after each training batch all ranks agree (an all-reduce of "did
-any rank get a signal") and then every rank takes part in the save, at a batch boundary, so the
-checkpoint resumes exactly at the next batch. Under SLURM with auto-requeue (Lightning's default),
-SIGUSR1 then requeues the job as Lightning's own handler would (``scontrol requeue``).
+allocation, to every process of the step (loader workers included); Kubernetes and ``scancel`` send
+SIGTERM. Lightning's own handlers do not fit a sharded checkpoint: its SLURM SIGUSR1 handler saves
+from inside the signal handler and its SIGTERM handler broadcasts from inside the handler (a
+collective there deadlocks when the signal reaches only some ranks). Here the handler only records
+the signal. It is installed by the CLI before any work starts (``prepare_data``'s raw-TSV
+conversion included), so Lightning, which installs its SLURM SIGUSR1 handler only where none is,
+never installs it; its SIGTERM handler, which it installs whatever is there, is replaced again at
+once (``setup``). Loader workers ignore both signals (``app.data.loader``).
+
+At the next safe point (every ``check_every_n_steps`` training steps or evaluation batches, and
+at the start of training) all ranks agree with one all-reduce whether any rank got a signal; then
+every rank takes part in the save of ``last.ckpt``, rank 0 requeues a SLURM job (``scontrol
+requeue``, as Lightning's handler would), and fit ends at once: no further validation, no further
+checkpoint (Lightning's ``should_stop`` would run a validation and let ModelCheckpoint save twice
+more). A signal before the first training step of the run saves nothing (there is nothing new
+since the checkpoint the run started from) and stops the same way.
+
+``scontrol requeue`` ends a running job (SIGTERM, then SIGKILL after SLURM's ``KillWait``), so a
+requeue before the save would kill it. A save that has not finished ``requeue_after_s`` after rank 0
+heard the signal is therefore overtaken: rank 0 requeues from a timer thread, and SLURM's kill then
+lands mid-save, which leaves the previous ``last.ckpt`` in place (checkpoints are published
+atomically, app/checkpoint/format.py). Either way the job is back in the queue before its time ends.
 """
 
 from __future__ import annotations
@@ -15,6 +30,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -24,42 +40,131 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-_SIGNALS = {"SIGTERM": signal.SIGTERM, "SIGUSR1": signal.SIGUSR1}
+from app.data.loader import PREEMPTION_SIGNALS
+
+_SIGNALS = {signal.Signals(signum).name: signum for signum in PREEMPTION_SIGNALS}
+
+
+class Preempted(SIGTERMException):
+    """Ends ``Trainer.fit`` (or validate/test/predict) after a pre-emption signal, with exit status 0.
+
+    Lightning's own exception for a signal-ended run: raised from a callback it skips the rest of the
+    loops (the validation and the checkpoint saves that ``trainer.should_stop`` would still run),
+    calls the callbacks' ``on_exception`` and tears the trainer down.
+    """
 
 
 class SaveOnSignal(Callback):
-    """On SIGTERM or SIGUSR1 (to any rank) every rank saves ``last.ckpt`` after the current batch, then fit stops.
+    """On SIGTERM or SIGUSR1 (to any rank) every rank saves ``last.ckpt`` at the next safe point, then fit stops.
 
     The checkpoint goes into the checkpoint group's folder (``<default_root_dir>/checkpoints``), where
-    ``--ckpt_path last`` finds it.
+    ``--ckpt_path last`` finds it. Under SLURM (auto-requeue, Lightning's default) SIGUSR1 also
+    requeues the job. validate, test and predict stop at the next safe point without saving.
 
     Args:
         signals: the signals that trigger the save (SIGTERM, SIGUSR1); an empty list turns it off.
-        check_every_n_steps: how often, in training steps, the ranks agree whether a signal arrived.
-            Each check is one small all-reduce and, on GPUs, a device-to-host sync that stalls the
-            overlapped pipeline, hence not every step; SLURM's ``--signal=SIGUSR1@90`` leaves 90 s,
-            far more than a few steps.
+        check_every_n_steps: how often, in training steps and in evaluation batches, the ranks agree
+            whether a signal arrived. Each check is one small all-reduce and, on GPUs, a device-to-host
+            sync that stalls the overlapped pipeline, hence not every step; SLURM's
+            ``--signal=SIGUSR1@90`` leaves 90 s, far more than a few steps.
+        requeue_after_s: seconds after rank 0 hears SLURM's requeue signal by which the job is
+            requeued even if the save has not finished (``scontrol requeue`` then ends the save; the
+            previous ``last.ckpt`` stays valid). The requeue must come before the allocation ends:
+            at most the signal's lead (``--signal=SIGUSR1@90``: 90 s) minus the few seconds scontrol
+            takes. After the requeue SLURM sends SIGTERM and, ``KillWait`` (30 s by default) later,
+            SIGKILL: a save still running by then is lost. The default 50 s leaves a save up to
+            50 + 30 s with a 90 s warning.
     """
 
-    def __init__(self, signals: list[str] = ["SIGTERM", "SIGUSR1"], check_every_n_steps: int = 10) -> None:
+    def __init__(
+        self,
+        signals: list[str] = ["SIGTERM", "SIGUSR1"],
+        check_every_n_steps: int = 10,
+        requeue_after_s: float = 50.0,
+    ) -> None:
         unknown = sorted(set(signals) - set(_SIGNALS))
         if unknown:
             raise ValueError(f"save_on_signal.signals: {unknown} unknown; choose from {sorted(_SIGNALS)}")
         if check_every_n_steps < 1:
             raise ValueError(f"save_on_signal.check_every_n_steps = {check_every_n_steps}: must be at least 1")
+        if not requeue_after_s >= 0:
+            raise ValueError(f"save_on_signal.requeue_after_s = {requeue_after_s}: must be >= 0 seconds")
         self.signals = list(signals)
         self.check_every_n_steps = check_every_n_steps
-        self._received: int = 0  # the signal number, 0 while none arrived
-        self._previous_handlers: dict[int, Any] = {}
-        self._loop_without_broadcast: Any = None  # Lightning's epoch loop while its SIGTERM broadcast is skipped
+        self.requeue_after_s = requeue_after_s
+        self._received: set[int] = set()  # the signals this process got
+        self._previous_handlers: dict[int, Any] = {}  # the handlers before this callback's
+        self._requeue_signal: int | None = None  # SLURM's, when this job is to be requeued
+        self._requeues = False  # this process (global rank 0) is the one that requeues
+        self._requeue_lock = threading.Lock()
+        self._requeued = False
+        self._requeue_timer: threading.Timer | None = None
+        self._first_step: int | None = None  # global_step when this run's training started
+        self._stopped = False
+        self._unwrap: list[Any] = []  # undoes the changes to Lightning's objects
 
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Installed here because Lightning installs its own handlers after the setup hooks.
-        self._received = 0
+    # ---- the handlers ------------------------------------------------------------------------
+
+    def install(self, trainer: Trainer) -> None:
+        """Installs the recording handlers now; the CLI calls it before any work starts. Idempotent."""
+        if self._previous_handlers or not self.signals:
+            return
+        self._received = set()
+        self._stopped = False
+        self._requeued = False
+        self._requeue_signal, self._requeues = None, False
+        environment = trainer.strategy.cluster_environment
+        if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
+            self._requeue_signal = environment.requeue_signal
+            # SLURMEnvironment reads the global rank from SLURM_PROCID: known before the process group.
+            self._requeues = environment.global_rank() == 0
         for name in self.signals:
             self._previous_handlers[_SIGNALS[name]] = signal.signal(_SIGNALS[name], self._record)
+        self._restart_interrupted_calls()
+
+    def _reinstall(self) -> None:
+        for signum in self._previous_handlers:
+            signal.signal(signum, self._record)
+        self._restart_interrupted_calls()
+
+    def _restart_interrupted_calls(self) -> None:
+        # The signal may land on any thread, e.g. one of gloo's or NCCL's in a socket call. Python retries
+        # its own calls (PEP 475), but a C++ library may take EINTR for an error and fail a collective:
+        # with SA_RESTART the kernel resumes the call instead.
+        for signum in self._previous_handlers:
+            signal.siginterrupt(signum, False)
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        self._received.add(signum)
+        if signum == self._requeue_signal and self._requeues:
+            self._start_requeue_deadline()
+
+    def _restore_handlers(self) -> None:
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers = {}
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.install(trainer)  # a trainer built without the app's CLI: from here on (after prepare_data)
+        if not self._previous_handlers:
+            return
+        # Lightning registers its handlers after this hook and before the sanity check: for SIGTERM
+        # always (a broadcast inside the handler), for SIGUSR1 only where no handler is. It has no
+        # setting to leave a signal alone, so its registration is followed at once by this callback's
+        # handlers again; its teardown then restores them too (it saved them as the ones before).
+        connector = trainer._signal_connector
+        register = type(connector).register_signal_handlers
+
+        def register_then_keep_ours() -> None:
+            register(connector)
+            self._reinstall()
+
+        connector.register_signal_handlers = register_then_keep_ours  # an instance attribute: deleted at teardown
+        self._unwrap.append(lambda: delattr(connector, "register_signal_handlers"))
         if "SIGTERM" in self.signals:
             self._skip_lightning_sigterm_broadcast(trainer)
 
@@ -67,49 +172,123 @@ class SaveOnSignal(Callback):
         # Lightning 2.6 broadcasts "rank 0 got SIGTERM" before every training step: a collective
         # and, on GPUs, a device-to-host sync that stalls the overlapped pipeline (~1 ms a step on
         # 2 CPU processes). With this callback's handler in place Lightning's flag is never set, so
-        # that broadcast would only ever send 0; the check above, every N steps, replaces it.
+        # that broadcast would only ever send 0; the check every N steps replaces it.
         loop = trainer.fit_loop.epoch_loop
         if hasattr(loop, "_broadcast_sigterm_tensor"):
             loop._broadcast_sigterm_tensor = lambda: None  # an instance attribute: deleting it restores Lightning's
-            self._loop_without_broadcast = loop
+            self._unwrap.append(lambda: delattr(loop, "_broadcast_sigterm_tensor"))
 
-    def _record(self, signum: int, frame: FrameType | None) -> None:
-        self._received = signum
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._finish()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._finish()
+
+    def _finish(self) -> None:
+        for undo in self._unwrap:
+            undo()
+        self._unwrap = []
+        if not self._stopped:
+            # After a pre-emption the handlers stay: SLURM's SIGTERM after the requeue must find the
+            # ranks finishing their teardown (loggers flushing), not kill them mid-way.
+            self._cancel_requeue_deadline()
+            self._restore_handlers()
+
+    # ---- the requeue -------------------------------------------------------------------------
+
+    def _start_requeue_deadline(self) -> None:
+        if self._requeue_timer is None and not self._requeued:
+            self._requeue_timer = threading.Timer(self.requeue_after_s, self._requeue_once, kwargs={"late": True})
+            self._requeue_timer.daemon = True
+            self._requeue_timer.start()
+
+    def _cancel_requeue_deadline(self) -> None:
+        if self._requeue_timer is not None:
+            self._requeue_timer.cancel()
+            self._requeue_timer = None
+
+    def _requeue_once(self, late: bool = False) -> None:
+        with self._requeue_lock:
+            if self._requeued:
+                return
+            self._requeued = True
+        if late:
+            rank_zero_warn(
+                f"the save after SLURM's requeue signal has not finished after save_on_signal.requeue_after_s = "
+                f"{self.requeue_after_s:g} s: requeueing now; the job ends before the save does unless it finishes "
+                "within SLURM's KillWait, and the previous last.ckpt stays the one to resume from"
+            )
+        requeue_slurm_job()
+
+    # ---- the safe points ---------------------------------------------------------------------
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._first_step = trainer.global_step
+        # A signal during prepare_data, set-up, loading or the sanity check: acted on before step one.
+        self._check(trainer, due=True)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         # global_step is the same on every rank, so all ranks take part in the same checks.
-        if not self._previous_handlers or trainer.global_step % self.check_every_n_steps:
+        self._check(trainer, due=trainer.global_step % self.check_every_n_steps == 0)
+
+    def on_validation_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._check_evaluation(trainer, batch_idx)
+
+    def on_test_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._check_evaluation(trainer, batch_idx)
+
+    def on_predict_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._check_evaluation(trainer, batch_idx)
+
+    def _check_evaluation(self, trainer: Trainer, batch_idx: int) -> None:
+        # Every rank evaluates the same number of batches (app/data/partition.py pads the split), so
+        # every rank reaches the same checks; a long validation does not delay the save to its end.
+        self._check(trainer, due=(batch_idx + 1) % self.check_every_n_steps == 0)
+
+    def _check(self, trainer: Trainer, due: bool) -> None:
+        if not due or not self._previous_handlers or self._stopped:
             return
-        any_signal, any_sigusr1 = self._agreed_signals(trainer)
+        any_signal, any_requeue_signal = self._agreed_signals(trainer)
         if not any_signal:
             return
+        trained = (
+            trainer.state.fn == TrainerFn.FITTING
+            and not trainer.sanity_checking
+            and self._first_step is not None
+            and trainer.global_step > self._first_step
+        )
+        saved = self._save(trainer) if trained else None
+        self._stopped = True
+        names = "/".join(signal.Signals(s).name for s in sorted(self._received)) or "a signal on another rank"
+        done = f"saved {saved} at step {trainer.global_step}" if saved else "nothing trained since the run started, no save"
+        rank_zero_info(f"{names}: {done}; stopping without further validation or checkpoints (resume with --ckpt_path last)")
+        if any_requeue_signal and self._requeue_signal is not None and trainer.is_global_zero:
+            self._requeue_once()
+        raise Preempted()
+
+    def _save(self, trainer: Trainer) -> str:
         path = self._checkpoint_path(trainer)
         trainer.save_checkpoint(path)
-        name = signal.Signals(self._received).name if self._received else "a signal on another rank"
-        rank_zero_info(f"{name}: saved {path} at step {trainer.global_step}; stopping (resume with --ckpt_path last)")
-        trainer.should_stop = True
-        self._restore_handlers()
-        environment = trainer.strategy.cluster_environment
-        on_slurm = isinstance(environment, SLURMEnvironment) and environment.auto_requeue
-        if any_sigusr1 and on_slurm and trainer.is_global_zero:
-            requeue_slurm_job()
-
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._restore_handlers()
-
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._restore_handlers()
+        return path
 
     def _agreed_signals(self, trainer: Trainer) -> tuple[bool, bool]:
-        """(any rank got a signal, any rank got SIGUSR1): a signal may reach only some ranks."""
-        flags = [1 if self._received else 0, 1 if self._received == signal.SIGUSR1 else 0]
+        """(any rank got a signal, any rank got SLURM's requeue signal): a signal may reach only some ranks."""
+        flags = [1 if self._received else 0, 1 if self._requeue_signal in self._received else 0]
         received = torch.tensor(flags, device=trainer.strategy.root_device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(received, op=dist.ReduceOp.MAX)
-        any_signal, any_sigusr1 = received.tolist()
-        return bool(any_signal), bool(any_sigusr1)
+        any_signal, any_requeue_signal = received.tolist()
+        if any_requeue_signal and self._requeues:
+            self._start_requeue_deadline()  # the signal reached other ranks only: the deadline runs from now
+        return bool(any_signal), bool(any_requeue_signal)
 
     @staticmethod
     def _checkpoint_path(trainer: Trainer) -> str:
@@ -117,14 +296,6 @@ class SaveOnSignal(Callback):
         folder = callback.dirpath if isinstance(callback, ModelCheckpoint) and callback.dirpath else None
         folder = folder or os.path.join(trainer.default_root_dir, "checkpoints")
         return str(Path(folder) / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}")
-
-    def _restore_handlers(self) -> None:
-        for signum, handler in self._previous_handlers.items():
-            signal.signal(signum, handler)
-        self._previous_handlers = {}
-        if self._loop_without_broadcast is not None:
-            del self._loop_without_broadcast._broadcast_sigterm_tensor
-            self._loop_without_broadcast = None
 
 
 SCONTROL_MISSING = 127  # the shell's status for a command not found

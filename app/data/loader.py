@@ -3,11 +3,19 @@
 Lightning stores the ``state_dict()`` of any dataloader that has one (its ``_Stateful`` protocol)
 in the fit loop's checkpoint state and hands it back through ``load_state_dict`` before iterating.
 A plain DataLoader has no position to save, so a resumed run would repeat the epoch's first batches.
+
+Its worker processes ignore the pre-emption signals (``IgnorePreemptionSignals``): SLURM's
+``--signal`` and ``scancel`` signal every process of the job step, workers included, and a worker
+must neither die of them (the rank would fail with "DataLoader worker exited unexpectedly") nor run
+the handler it inherited from its rank; the rank itself acts on the signal (app/checkpoint/preemption.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -16,15 +24,63 @@ from torch.utils.data import DataLoader
 from app.data.dataset import CriteoBatches, EpochBatchSampler
 
 
+# The signals a scheduler pre-empts a job with: SIGUSR1 (SLURM's --signal) and SIGTERM (scancel, Kubernetes).
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class IgnorePreemptionSignals:
+    """A DataLoader ``worker_init_fn`` that makes the worker ignore ``PREEMPTION_SIGNALS`` sent by anyone but
+    its rank, then calls ``worker_init_fn`` (a user's own, if any).
+
+    Set in the worker rather than around the fork: torch installs its own SIGTERM handler in every
+    worker when it starts (torch/utils/data/_utils/worker.py) and calls ``worker_init_fn`` after that.
+    A class, not a closure, so that it pickles for workers started with ``spawn``.
+    """
+
+    def __init__(self, worker_init_fn: Callable[[int], None] | None = None) -> None:
+        self.worker_init_fn = worker_init_fn
+
+    def __call__(self, worker_id: int) -> None:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        _end_on_sigterm_from_the_rank_only()
+        if self.worker_init_fn is not None:
+            self.worker_init_fn(worker_id)
+
+
+def _end_on_sigterm_from_the_rank_only() -> None:
+    """SIGTERM from the worker's rank ends the worker at once, as torch's handler does; from anyone else
+    it is ignored.
+
+    Written by hand because neither torch nor Python offers it: torch's handler ends the worker for a
+    SIGTERM from anyone (quietly from its rank, by the signal from others), and the rank relies on
+    that at exit (multiprocessing terminates daemonic children with SIGTERM and then joins them), so
+    the signal cannot simply be ignored. Python's handlers are not told the sender: the signal is
+    blocked here and taken by a thread with ``sigwaitinfo``, which is.
+    """
+    rank_pid = os.getppid()
+    # The worker has one thread now (a fork copies only the caller); those it starts later inherit the mask.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    def take_sigterm() -> None:
+        while True:
+            if signal.sigwaitinfo({signal.SIGTERM}).si_pid == rank_pid:
+                os._exit(0)
+
+    threading.Thread(target=take_sigterm, name="sigterm_from_rank", daemon=True).start()
+
+
 class ResumableBatchLoader(DataLoader):
     """Loads the whole batches of a ``CriteoBatches`` dataset and remembers how many it has handed out.
 
     Args:
         dataset: this rank's batches.
         num_workers: worker processes that assemble batches.
+        worker_init_fn: called in each worker after it is set to ignore the pre-emption signals.
     """
 
-    def __init__(self, dataset: CriteoBatches, num_workers: int = 0) -> None:
+    def __init__(
+        self, dataset: CriteoBatches, num_workers: int = 0, worker_init_fn: Callable[[int], None] | None = None
+    ) -> None:
         super().__init__(
             dataset,
             batch_size=None,  # the dataset yields whole batches
@@ -32,6 +88,8 @@ class ResumableBatchLoader(DataLoader):
             num_workers=num_workers,
             persistent_workers=num_workers > 0,
             pin_memory=torch.cuda.is_available(),
+            worker_init_fn=worker_init_fn if isinstance(worker_init_fn, IgnorePreemptionSignals)
+            else IgnorePreemptionSignals(worker_init_fn),
         )
         self._next_batch = 0
         # Batches handed out but not trained on yet (a training pipeline's queue, kept up to date by
