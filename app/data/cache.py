@@ -126,7 +126,9 @@ def cached_folder(
             + (f"its conversion failed: {recorded}" if recorded else "the conversion on local rank 0 did not finish")
         )
     _make_parent(folder)
-    lock = _hold(folder, wait_s)
+    lock = _hold(folder, wait_s, lambda: _is_complete(folder, fingerprint))
+    if lock is None:
+        return folder  # another process converted it while this one waited
     try:
         state = _read_state(folder)
         if state.get("fingerprint") == fingerprint and state.get("complete"):
@@ -137,8 +139,9 @@ def cached_folder(
     return folder
 
 
-def _hold(folder: Path, wait_s: float) -> HolderLock:
-    """The lock of ``folder``, waiting up to ``wait_s`` for a live holder (another node or job converting)."""
+def _hold(folder: Path, wait_s: float, done: Callable[[], bool]) -> HolderLock | None:
+    """The lock of ``folder``, waiting up to ``wait_s`` for a live holder (another node or job converting);
+    None once the folder is ``done`` meanwhile (many waiting ranks then need not take the lock in turn)."""
     lock = HolderLock(Path(f"{folder}.lock"))
     deadline = time.monotonic() + wait_s
     holder = lock.acquire()
@@ -152,6 +155,8 @@ def _hold(folder: Path, wait_s: float) -> HolderLock:
                 f"or if that process is gone delete {lock.path}; or set data.cache_dir to convert elsewhere"
             )
         time.sleep(min(LOCK_POLL_S, left))  # another process's file: nothing to wait on but the file itself
+        if done():
+            return None
         holder = lock.acquire()
     if lock.replaced is not None:
         print(f"data cache {folder}: took the lock over from {lock.replaced.describe()} (gone)", file=sys.stderr)
