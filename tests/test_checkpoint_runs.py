@@ -1,17 +1,18 @@
 """Checkpoints through `python -m app` as a user runs it (Lightning's launcher, 2 CPU processes):
-SIGKILL of the whole job and `--ckpt_path last` give the uninterrupted run's result bit for bit; a
-pre-emption signal to one rank saves a complete checkpoint on every rank; a bad checkpoint stops
-every rank with one message; each run owns its folder."""
+SIGKILL of the whole job and `--ckpt_path last` give the uninterrupted run's result bit for bit, and
+so does a SIGTERM to the whole job during a validation; a pre-emption signal to one rank saves a
+complete checkpoint on every rank; a bad checkpoint stops every rank with one message; each run owns
+its folder. The kills and signals come from inside the run at an exact step
+(tests/preemption_callbacks.py), so what was saved is known exactly. SLURM's side of pre-emption
+(requeue, a save longer than the warning) is in tests/test_preemption.py."""
 
 from __future__ import annotations
 
 import csv
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from app.checkpoint import format as checkpoint_format
 from multiprocess import DEMO_BEFORE_QUALITY_SETTINGS
 
 TIMEOUT_S = 300
+TESTS = Path(__file__).resolve().parent
 # Launcher settings an in-process CLI test may have left in this process's environment: each run here
 # lets Lightning's launcher choose its own free port.
 _LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "GLOBAL_RANK")
@@ -29,13 +31,24 @@ _LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "W
 
 def app_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
-    return {**env, "PYTHONPATH": str(Path.cwd())}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(Path.cwd()), str(TESTS)])}  # tests/: the test callbacks
 
 
 def run_app(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "app", *args], capture_output=True, text=True, timeout=TIMEOUT_S, env=app_env()
-    )
+    """Runs ``python -m app ARGS`` as a job of its own: a new process group (both ranks and their loader
+    workers), which the test callbacks signal as a scheduler would, and which is killed whole if it
+    outlives TIMEOUT_S (a hang fails the test)."""
+    job = subprocess.Popen(
+        [sys.executable, "-m", "app", *args], env=app_env(), process_group=0,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = job.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        stdout, stderr = job.communicate()
+        pytest.fail(f"python -m app {args[0]} still running after {TIMEOUT_S} s (a hang):\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(job.args, job.returncode, stdout, stderr)
 
 
 def fit_args(sample: dict[str, Path], root: Path) -> list[str]:
@@ -53,29 +66,15 @@ def fit_args(sample: dict[str, Path], root: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def start_app(args: list[str]) -> subprocess.Popen:
-    env = app_env()
-    # A session of its own, so that the test can kill the whole job (both ranks) at once.
-    return subprocess.Popen(
-        [sys.executable, "-m", "app", *args], env=env, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+def signal_at(signal_name: str, step: int, *options: str) -> list[str]:
+    """Arguments that make the run send ``signal_name`` at ``step`` (tests/preemption_callbacks.py)."""
+    return ["--trainer.callbacks+=preemption_callbacks.SignalAt", "--trainer.callbacks.signal_name", signal_name,
+            "--trainer.callbacks.step", str(step), *options]  # fmt: skip
 
 
 def last_step(root: Path) -> int:
-    """The global step of the published last.ckpt (-1 while none)."""
-    try:
-        return json.loads((root / "checkpoints" / "last.ckpt" / "meta.json").read_text())["global_step"]
-    except (FileNotFoundError, json.JSONDecodeError):
-        return -1
-
-
-def wait_for_step(process: subprocess.Popen, root: Path, step: int) -> None:
-    deadline = time.monotonic() + TIMEOUT_S
-    while last_step(root) < step:
-        assert process.poll() is None, process.stdout.read()[-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    """The global step of the published last.ckpt (after checking that it is complete)."""
+    return checkpoint_format.read(root / "checkpoints" / "last.ckpt").meta["global_step"]
 
 
 def weights(root: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
@@ -102,15 +101,12 @@ def uninterrupted(sample, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def killed_and_resumed(sample, tmp_path_factory) -> tuple[Path, str]:
-    """The same run SIGKILLed (both ranks at once) after step 16 was checkpointed, then resumed from last."""
+    """The same run SIGKILLed (the whole job: both ranks at once) at step 18, two steps after step 16 was
+    checkpointed, then resumed from last."""
     root = tmp_path_factory.mktemp("killed")
-    job = start_app(fit_args(sample, root))
-    wait_for_step(job, root, 16)  # the second epoch (12 steps per epoch); the kill lands a few steps later
-    os.killpg(job.pid, signal.SIGKILL)
-    job.wait(timeout=30)
-    assert job.returncode == -signal.SIGKILL
-    killed_at = last_step(root)
-    assert 16 <= killed_at < 36, killed_at
+    killed = run_app(*fit_args(sample, root), *signal_at("SIGKILL", 18))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert last_step(root) == 16
     resumed = run_app(*fit_args(sample, root), "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return root, resumed.stdout + resumed.stderr
@@ -145,34 +141,44 @@ def test_sigusr1_to_one_rank_saves_on_every_rank_and_stops_keeping_the_newest_tw
     root = tmp_path / "preempted"
     keep_newest_2 = ["--checkpoint.monitor", "step", "--checkpoint.mode", "max", "--checkpoint.save_top_k", "2",
                      "--checkpoint.filename", "{step}"]  # fmt: skip
-    job = start_app(fit_args(sample, root) + ["--trainer.max_epochs", "50"] + keep_newest_2)
-    wait_for_step(job, root, 12)
-    ranks = [job.pid] + children(job.pid)
-    assert len(ranks) >= 2, ranks
-    os.kill(ranks[-1], signal.SIGUSR1)  # only the second rank hears it
-    output, _ = job.communicate(timeout=TIMEOUT_S)
-    assert job.returncode == 0, output[-3000:]
-    assert "saved" in output and "stopping (resume with --ckpt_path last)" in output, output[-3000:]
+    only_rank_1 = signal_at("SIGUSR1", 14, "--trainer.callbacks.rank", "1", "--trainer.callbacks.to", "self")
+    result = run_app(*fit_args(sample, root), "--trainer.max_epochs", "50", "--save_on_signal.check_every_n_steps", "1",
+                     *keep_newest_2, *only_rank_1)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    # Rank 0 never got the signal: it saved because the ranks agreed on rank 1's.
+    assert f"a signal on another rank: saved {root / 'checkpoints' / 'last.ckpt'} at step 14; stopping" in output
     info = checkpoint_format.read(root / "checkpoints" / "last.ckpt")
-    assert 12 <= info.meta["global_step"] < 50 * 12
+    assert info.meta["global_step"] == 14
     assert info.world_size == 2
     # Keep-last-N of the periodic checkpoints: the newest two by step, each a complete folder.
     periodic = sorted((p.name for p in (root / "checkpoints").glob("step=*.ckpt")), key=lambda n: int(n[5:-5]))
-    newest = info.meta["global_step"] // 4 * 4
-    assert periodic == [f"step={newest - 4}.ckpt", f"step={newest}.ckpt"], periodic
+    assert periodic == ["step=8.ckpt", "step=12.ckpt"], periodic
     assert len(list((root / "checkpoints").glob(".*.ckpt.*"))) == 3
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
+def test_sigterm_to_the_whole_job_during_validation_saves_at_once_and_resumes_bit_identical(uninterrupted, sample, tmp_path):
+    """SIGTERM to every process (both ranks and their persistent loader workers) during the first batch
+    of the validation after step 12: the ranks agree at that validation batch, save step 12's state and
+    end without finishing the validation; the resumed run ends where the uninterrupted one does."""
+    root = tmp_path / "preempted"
+    with_workers = ["--data.num_workers", "1", "--save_on_signal.check_every_n_steps", "1",
+                    "--checkpoint.every_n_train_steps", "9"]  # fmt: skip  (periodic saves at 9, 18, .., 36: not 12)
+    during_validation = signal_at("SIGTERM", 12, "--trainer.callbacks.at", "validation")
+    result = run_app(*fit_args(sample, root), *with_workers, *during_validation)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert f"SIGTERM: saved {root / 'checkpoints' / 'last.ckpt'} at step 12; stopping" in output, output[-3000:]
+    assert last_step(root) == 12
+    assert not (root / "csv" / "version_0" / "metrics.csv").exists() or "val/auc" not in (
+        root / "csv" / "version_0" / "metrics.csv"
+    ).read_text()  # the interrupted validation logged nothing
+    resumed = run_app(*fit_args(sample, root), *with_workers, "--ckpt_path", "last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, actual = weights(uninterrupted, tmp_path), weights(root, tmp_path)
+    for key in expected:
+        assert torch.equal(expected[key], actual[key]), key
+    assert final_val_metrics(root) == final_val_metrics(uninterrupted)
 
 
 @pytest.mark.parametrize(
@@ -193,9 +199,7 @@ def test_a_bad_checkpoint_stops_every_rank_with_one_message(how, message, uninte
     if how == "other_tables":
         extra = ["--data.num_embeddings_per_feature", "400"]
     args = fit_args(sample, tmp_path / "run") + extra + ["--ckpt_path", str(path)]
-    started = time.monotonic()
-    result = run_app("validate", *args[1:])
-    assert time.monotonic() - started < 120
+    result = run_app("validate", *args[1:])  # a rank left waiting fails it through run_app's timeout
     assert result.returncode != 0
     assert f"error: ckpt_path {path}" in result.stderr and message in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
