@@ -356,6 +356,5 @@ def test_two_torchrun_nodes_end_with_the_metrics_of_one_node_and_a_slow_rank_is_
     gaps = [(float(r["health/between_steps_ms/rank0"]), float(r["health/between_steps_ms/rank1"]))
             for r in csv.DictReader(path.open()) if r.get("health/between_steps_ms/rank1")]  # fmt: skip
     # Rank 0's clock never moves; rank 1's moves 250 ms before each step. The first window of 4 steps has
-    # 3 gaps; later ones 4, which RankHealth divides by 3 (app/distributed/health.py counts the gap across
-    # a window's boundary but averages over steps - 1): 1000 / 3 ms until that is fixed there.
-    assert gaps == [(0.0, 250.0), (0.0, 1000 / 3), (0.0, 1000 / 3)], gaps
+    # 3 gaps, later ones 4 (the gap across a window's boundary counts): each averaged over its own gaps.
+    assert gaps == [(0.0, 250.0), (0.0, 250.0), (0.0, 250.0)], gaps

@@ -117,7 +117,8 @@ class SaveOnSignal(Callback):
         self._stopped = False
         self._requeued = False
         self._requeue_signal, self._requeues = None, False
-        environment = trainer.strategy.cluster_environment
+        # Lightning's single-device strategies have no cluster environment (and nothing to requeue).
+        environment = getattr(trainer.strategy, "cluster_environment", None)
         if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
             self._requeue_signal = environment.requeue_signal
             # SLURMEnvironment reads the global rank from SLURM_PROCID: known before the process group.

@@ -28,7 +28,7 @@ from app.data.cache import CacheRequest, cached_days, read_metadata
 from app.data.dataset import CriteoBatches, EpochBatchSampler
 from app.data.formats import DataFormat, ReadOptions, open_days, read_tsv_split, rows_view
 from app.data.frequency_threshold import mapped_days, training_vocabulary
-from app.data.loader import ResumableBatchLoader
+from app.data.loader import IgnorePreemptionSignals, ResumableBatchLoader
 from app.data.numpy_days import NumpyDaysSource
 from app.data.preprocess import RAW_IDS, Vocabulary
 from app.data.source import RowSource, expand_table_sizes
@@ -377,7 +377,10 @@ class CriteoDataModule(LightningDataModule):
         # A plain DataLoader: Lightning rebuilds the predict loader to track batch indices, and
         # nothing needs resuming there.
         dataset = self.datasets["predict"]
-        return DataLoader(dataset, batch_size=None, sampler=EpochBatchSampler(len(dataset)), num_workers=self.num_workers)
+        return DataLoader(
+            dataset, batch_size=None, sampler=EpochBatchSampler(len(dataset)), num_workers=self.num_workers,
+            worker_init_fn=IgnorePreemptionSignals(),  # as the other loaders' workers (app.data.loader)
+        )
 
     # ---- the vocabulary as checkpoint state -------------------------------------------------
 

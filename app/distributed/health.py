@@ -40,6 +40,7 @@ class RankHealth(Callback):
         self._last_end_s: float | None = None
         self._window_start_s = 0.0
         self._between_s = 0.0
+        self._gaps = 0  # the gaps measured in _between_s
         self._steps = 0
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -53,6 +54,7 @@ class RankHealth(Callback):
         now = time.perf_counter()
         if self._last_end_s is not None:
             self._between_s += now - self._last_end_s
+            self._gaps += 1
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -65,12 +67,14 @@ class RankHealth(Callback):
     def _reset(self) -> None:
         self._window_start_s = time.perf_counter()
         self._between_s = 0.0
+        self._gaps = 0
         self._steps = 0
 
     def _report(self, trainer: Trainer, pl_module: LightningModule) -> None:
         step_ms = 1e3 * (time.perf_counter() - self._window_start_s) / self._steps
-        # The first step of a window has no gap before it: average over the gaps measured.
-        between_ms = 1e3 * self._between_s / max(self._steps - 1, 1)
+        # Averaged over the gaps measured: the first window of an epoch has one gap fewer than steps, the
+        # later ones (whose first step follows the previous window's last) as many as steps.
+        between_ms = 1e3 * self._between_s / max(self._gaps, 1)
         mine = torch.tensor([step_ms, between_ms], dtype=torch.float64, device=pl_module.device)
         every = pl_module.all_gather(mine).cpu()  # (world_size, 2), on every rank
         self._reset()
