@@ -50,7 +50,8 @@ _SIGNALS = {signal.Signals(signum).name: signum for signum in PREEMPTION_SIGNALS
 
 
 class Preempted(SIGTERMException):
-    """Ends ``Trainer.fit`` (or validate/test/predict) after a pre-emption signal, with exit status 0.
+    """Ends ``Trainer.fit`` (or validate/test/predict) after a pre-emption signal, with the exit status
+    ``preempted_exit_status`` gives.
 
     Lightning's own exception for a signal-ended run: raised from a callback it skips the rest of the
     loops (the validation and the checkpoint saves that ``trainer.should_stop`` would still run),
@@ -257,8 +258,8 @@ class SaveOnSignal(Callback):
     def _check(self, trainer: Trainer, due: bool) -> None:
         if not due or not self._previous_handlers or self._stopped:
             return
-        any_signal, any_requeue_signal = self._agreed_signals(trainer)
-        if not any_signal:
+        signum, any_requeue_signal = self._agreed_signals(trainer)
+        if not signum:
             return
         trained = (
             trainer.state.fn == TrainerFn.FITTING
@@ -271,25 +272,27 @@ class SaveOnSignal(Callback):
         names = "/".join(signal.Signals(s).name for s in sorted(self._received)) or "a signal on another rank"
         done = f"saved {saved} at step {trainer.global_step}" if saved else "nothing trained since the run started, no save"
         rank_zero_info(f"{names}: {done}; stopping without further validation or checkpoints (resume with --ckpt_path last)")
-        if any_requeue_signal and self._requeue_signal is not None and trainer.is_global_zero:
+        requeued = any_requeue_signal and self._requeue_signal is not None
+        if requeued and trainer.is_global_zero:
             self._requeue_once()
-        raise Preempted()
+        raise Preempted(preempted_exit_status(signum, requeued))
 
     def _save(self, trainer: Trainer) -> str:
         path = self._checkpoint_path(trainer)
         trainer.save_checkpoint(path)
         return path
 
-    def _agreed_signals(self, trainer: Trainer) -> tuple[bool, bool]:
-        """(any rank got a signal, any rank got SLURM's requeue signal): a signal may reach only some ranks."""
-        flags = [1 if self._received else 0, 1 if self._requeue_signal in self._received else 0]
+    def _agreed_signals(self, trainer: Trainer) -> tuple[int, bool]:
+        """(the highest signal number any rank got, 0 for none; whether any rank got SLURM's requeue
+        signal): a signal may reach only some ranks, and every rank must end the same way."""
+        flags = [max(self._received, default=0), 1 if self._requeue_signal in self._received else 0]
         received = torch.tensor(flags, device=trainer.strategy.root_device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(received, op=dist.ReduceOp.MAX)
-        any_signal, any_requeue_signal = received.tolist()
+        signum, any_requeue_signal = received.tolist()
         if any_requeue_signal and self._requeues:
             self._start_requeue_deadline()  # the signal reached other ranks only: the deadline runs from now
-        return bool(any_signal), bool(any_requeue_signal)
+        return int(signum), bool(any_requeue_signal)
 
     @staticmethod
     def _checkpoint_path(trainer: Trainer) -> str:
@@ -297,6 +300,14 @@ class SaveOnSignal(Callback):
         folder = callback.dirpath if isinstance(callback, ModelCheckpoint) and callback.dirpath else None
         folder = folder or os.path.join(trainer.default_root_dir, "checkpoints")
         return str(Path(folder) / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}")
+
+
+def preempted_exit_status(signum: int, requeued: bool) -> int:
+    """The exit status of a run ended by a pre-emption signal: 0 once SLURM has the job back in its queue
+    (it restarts it), otherwise 128 + the signal's number, as a process killed by it reports (143 for
+    SIGTERM): the run did not finish, and a Kubernetes Job, torchrun or a retry loop must restart it with
+    ``--ckpt_path last`` rather than count it done."""
+    return 0 if requeued else 128 + signum
 
 
 SCONTROL_MISSING = 127  # the shell's status for a command not found
