@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,14 +55,20 @@ def fit_args(sample: dict[str, Path], root: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def run_slurm_job(args: list[str], tmp_path: Path, kill_wait_s: str = "") -> tuple[list[int], list[str], str]:
+def run_slurm_job(
+    args: list[str], tmp_path: Path, kill_wait_s: str = "", with_scontrol: bool = True
+) -> tuple[list[int], list[str], str]:
     """Runs ``args`` as the two tasks of SLURM job 4242 on this machine, in one process group; returns
-    their exit codes, their logs and what the stand-in scontrol recorded."""
+    their exit codes, their logs and what the stand-in scontrol recorded (``with_scontrol`` false: none on
+    PATH, as in a container without SLURM's tools)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    scontrol = bin_dir / "scontrol"
-    scontrol.write_text(FAKE_SCONTROL.format(python=sys.executable))
-    scontrol.chmod(0o755)
+    if with_scontrol:
+        scontrol = bin_dir / "scontrol"
+        scontrol.write_text(FAKE_SCONTROL.format(python=sys.executable))
+        scontrol.chmod(0o755)
+    elif shutil.which("scontrol"):
+        pytest.skip(f"a real scontrol is on PATH here ({shutil.which('scontrol')}): this test would requeue a real job")
     scontrol_log = tmp_path / "scontrol.log"
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "APP_TRACEBACK"))}
     base.update({
@@ -134,6 +141,21 @@ def test_sigusr1_to_the_whole_slurm_job_saves_at_the_next_check_requeues_and_end
     assert validation_rows(root) == []
     assert not list(root.rglob("hpc_ckpt*")), "Lightning's SLURM handler saved a checkpoint of its own"
     assert "DataLoader worker" not in logs[0] + logs[1]
+
+
+def test_without_scontrol_the_checkpoint_is_saved_and_rank_0_exits_non_zero(sample, tmp_path):
+    """A container without SLURM's tools: the save happens, the requeue cannot; one warning names the job,
+    no traceback, and rank 0 exits 128 + SIGUSR1 so the job reads as not finished (srun reports the highest)."""
+    root = tmp_path / "run"
+    args = fit_args(sample, root, "--save_on_signal.check_every_n_steps", "4",
+                    "--trainer.callbacks+=preemption_callbacks.SignalAt", "--trainer.callbacks.signal_name", "SIGUSR1",
+                    "--trainer.callbacks.step", "10")  # fmt: skip
+    returncodes, logs, _ = run_slurm_job(args, tmp_path, with_scontrol=False)
+
+    assert returncodes == [128 + signal.SIGUSR1, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert f"scontrol is not on PATH here: SLURM job {JOB_ID} was not requeued" in logs[0], logs[0][-3000:]
+    assert "Traceback" not in logs[0] + logs[1]
+    assert last_step(root) == 12
 
 
 def test_a_signal_before_training_stops_every_rank_without_a_save_and_requeues(sample, tmp_path):

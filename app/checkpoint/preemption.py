@@ -103,6 +103,7 @@ class SaveOnSignal(Callback):
         self._requeues = False  # this process (global rank 0) is the one that requeues
         self._requeue_lock = threading.Lock()
         self._requeued = False
+        self._requeue_status: int | None = None  # scontrol's exit status, once it ran
         self._requeue_timer: threading.Timer | None = None
         self._first_step: int | None = None  # global_step when this run's training started
         self._stopped = False
@@ -220,7 +221,7 @@ class SaveOnSignal(Callback):
                 f"{self.requeue_after_s:g} s: requeueing now; the job ends before the save does unless it finishes "
                 "within SLURM's KillWait, and the previous last.ckpt stays the one to resume from"
             )
-        requeue_slurm_job()
+        self._requeue_status = requeue_slurm_job()
 
     # ---- the safe points ---------------------------------------------------------------------
 
@@ -275,6 +276,9 @@ class SaveOnSignal(Callback):
         requeued = any_requeue_signal and self._requeue_signal is not None
         if requeued and trainer.is_global_zero:
             self._requeue_once()
+            # The deadline's requeue may have run already; either way its status is known here. Rank 0's
+            # exit status then says whether the job is back in the queue (srun reports the highest).
+            requeued = self._requeue_status == 0
         raise Preempted(preempted_exit_status(signum, requeued))
 
     def _save(self, trainer: Trainer) -> str:
