@@ -138,7 +138,7 @@ def test_ranks_that_wait_get_the_conversion_error(tmp_path):
     lines[6] = lines[6].replace("\t", "\tx", 1)  # line 7: I1 is not an integer
     path.write_text("\n".join(lines) + "\n")
     request = CacheRequest((path,), "log1p", "error", tmp_path / "cache", workers=1)
-    with pytest.raises(ValueError, match="conversion on local rank 0 did not finish"):
+    with pytest.raises(ValueError, match="the rank converting it .local rank 0 of each node, or global rank 0 under data.prepare_data_per_node false. did not finish"):
         cached_days(request, convert=False)  # nothing converted yet
     with pytest.raises(CriteoFormatError, match=r"train\.tsv:7: field I1"):
         cached_days(request)  # local rank 0, in prepare_data

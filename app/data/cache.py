@@ -13,8 +13,8 @@ data size (docs/data.md). One input set (a split's files) is one folder
 * ``complete``: written ``true`` last, once every day and ``metadata.json`` are in place. A folder
   without it was left by a killed or failed conversion: the next conversion resumes it (finished
   days are kept, see :mod:`app.data.preprocess.resume`).
-* ``error``: why the last conversion failed, so that ranks that did not convert (they wait in
-  Lightning's barrier while local rank 0 converts) stop with the same message instead of waiting.
+* ``error``: why the last conversion failed, so that ranks that did not convert (they wait at the
+  strategy's barrier while one rank per node, or one in all, converts) stop with the same message instead of waiting.
 
 A lock file (``<folder>.lock``, :mod:`app.data.lock_file`: safe on storage shared by many hosts,
 naming its holder) makes concurrent conversions of one folder (several nodes of a job whose cache is
@@ -121,9 +121,10 @@ def cached_folder(
     if not convert:
         state = _read_state(folder)
         recorded = state.get("error") if state.get("fingerprint") == fingerprint else None
+        converter = "local rank 0 of each node, or global rank 0 under data.prepare_data_per_node false"
+        unfinished = f"the rank converting it ({converter}) did not finish"
         raise ValueError(
-            f"data cache {folder} is not complete: "
-            + (f"its conversion failed: {recorded}" if recorded else "the conversion on local rank 0 did not finish")
+            f"data cache {folder} is not complete: " + (f"its conversion failed: {recorded}" if recorded else unfinished)
         )
     _make_parent(folder)
     lock = _hold(folder, wait_s, lambda: _is_complete(folder, fingerprint))
