@@ -7,6 +7,7 @@ import importlib
 import json
 import re
 import shlex
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +122,28 @@ def test_every_documented_app_command_parses(doc, command, capsys, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["python -m " + module])
     _parses(module, _without_users_configs([arg for arg in args if arg != "--print_config"]))
     capsys.readouterr()
+
+
+TORCHRUN_COMMANDS = [(doc, c) for doc in DOCS for c in _commands(doc) if "torchrun" in shlex.split(c, comments=True)]
+
+
+@pytest.mark.parametrize(("doc", "command"), TORCHRUN_COMMANDS, ids=lambda v: str(v)[:80])
+def test_every_documented_torchrun_command_has_options_this_torchrun_takes(doc, command):
+    """torchrun's own options (``--shutdown_timeout`` is new in torch 2.13) and the signal names given to
+    its agent, as torch's torchrun parses them."""
+    from torch.distributed.run import get_args_parser
+
+    words = shlex.split(command, comments=True)
+    at = words.index("torchrun")
+    settings = dict(word.split("=", 1) for word in words[:at] if "=" in word)
+    options = [re.sub(r"\$\{?\w+\}?", "1", word) for word in words[at + 1 : words.index("-m")]]
+    get_args_parser().parse_args([*options, "--module", "app"])
+    for name in settings.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "").split(","):
+        assert not name or hasattr(signal.Signals, name), f"{doc}: {name} is not a signal"
+
+
+def test_the_docs_show_torchrun_with_the_signal_settings():
+    assert any("TORCHELASTIC_SIGNALS_TO_HANDLE" in command for _, command in TORCHRUN_COMMANDS)
 
 
 CHEAP = [(doc, command) for doc, command in APP_COMMANDS if {"--help", "--print_config"} & set(_app_command(command)[1])]
