@@ -19,7 +19,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from app.checkpoint import format as checkpoint_format
-from app.data.loader import IgnorePreemptionSignals
+from app.data.loader import ignore_preemption_signals
 from multiprocess import AGENT_STORE, DEMO_BEFORE_QUALITY_SETTINGS, rendezvous_port
 
 TESTS = Path(__file__).resolve().parent
@@ -206,7 +206,7 @@ class _SignalsItself(torch.utils.data.Dataset):
 
 def test_a_loader_worker_ignores_preemption_signals_from_others_and_ends_when_its_rank_ends_it():
     loader = DataLoader(_SignalsItself(), batch_size=None, num_workers=1, persistent_workers=True,
-                        worker_init_fn=IgnorePreemptionSignals())  # fmt: skip
+                        worker_init_fn=ignore_preemption_signals)  # fmt: skip
     batches = iter(loader)
     served = [next(batches) for _ in range(4)]
     worker = batches._workers[0]
@@ -222,9 +222,9 @@ def test_a_rank_with_live_persistent_workers_exits():
     # run ends mid-epoch, as a pre-empted one does).
     script = (
         "from torch.utils.data import DataLoader\n"
-        "from app.data.loader import IgnorePreemptionSignals\n"
+        "from app.data.loader import ignore_preemption_signals\n"
         "loader = DataLoader(range(8), batch_size=None, num_workers=1, persistent_workers=True,\n"
-        "                    worker_init_fn=IgnorePreemptionSignals())\n"
+        "                    worker_init_fn=ignore_preemption_signals)\n"
         "batches = iter(loader)\n"
         "print(next(batches))\n"
     )

@@ -120,8 +120,7 @@ def read_dataset(settings: dict[str, Any], world_size: int) -> DatasetInput:
         # The converter reports on stdout, which is the bench's JSON lines: its report goes to stderr.
         with contextlib.redirect_stdout(sys.stderr):
             data = CriteoDataModule(**settings)
-            data.prepare_data()
-        data.setup("fit")  # no Trainer, no process group: one rank, all the rows
+            data.setup("fit")  # no Trainer, no process group: converts raw TSV, then one rank, all the rows
         train = data.datasets["train"]
         first = train[(0, 0)]
     except (ValueError, FileNotFoundError) as error:

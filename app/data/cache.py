@@ -93,11 +93,7 @@ def cached_days(request: CacheRequest, convert: bool = True) -> Path:
     Without ``convert`` (ranks that wait while another converts), a folder that is not complete
     raises the error recorded by the failed conversion, or says it is missing.
     """
-
-    def make(folder: Path) -> None:
-        _convert(request, folder)
-
-    return cached_folder(request.folder, request.fingerprint(), make, convert, request.wait_s)
+    return cached_folder(request.folder, request.fingerprint(), lambda folder: _convert(request, folder), convert, request.wait_s)
 
 
 def cached_folder(

@@ -14,7 +14,6 @@ one maps ``predict``'s ids, so that scoring needs neither the training data nor 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,11 +23,11 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from app.data.cache import CacheRequest, cached_days, read_metadata
+from app.data.cache import DEFAULT_WAIT_S, CacheRequest, cached_days, read_metadata
 from app.data.dataset import CriteoBatches, EpochBatchSampler
 from app.data.formats import DataFormat, ReadOptions, open_days, read_tsv_split, rows_view
 from app.data.frequency_threshold import mapped_days, training_vocabulary
-from app.data.loader import IgnorePreemptionSignals, ResumableBatchLoader
+from app.data.loader import ResumableBatchLoader, ignore_preemption_signals
 from app.data.numpy_days import NumpyDaysSource
 from app.data.preprocess import RAW_IDS, Vocabulary
 from app.data.source import RowSource, expand_table_sizes
@@ -185,11 +184,13 @@ class CriteoDataModule(LightningDataModule):
         return sizes
 
     def _cache_request(self, files: SplitFiles) -> CacheRequest:
-        request = CacheRequest(files.files, self.dense_transform, self.on_bad_rows, self.cache_dir, self.cache_workers)
         # Waiting for another node's conversion longer than the other ranks wait at the barrier would
         # leave this rank converting after they have given up.
         barrier_timeout_s = getattr(self.trainer.strategy, "barrier_timeout_s", None) if self.trainer else None
-        return request if barrier_timeout_s is None else dataclasses.replace(request, wait_s=barrier_timeout_s)
+        return CacheRequest(
+            files.files, self.dense_transform, self.on_bad_rows, self.cache_dir, self.cache_workers,
+            wait_s=barrier_timeout_s or DEFAULT_WAIT_S,
+        )
 
     def _split_files(self, wanted: list[str] | tuple[str, ...]) -> dict[str, SplitFiles]:
         """The files of the ``wanted`` splits that are set, refusing a threshold where it cannot apply."""
@@ -256,13 +257,10 @@ class CriteoDataModule(LightningDataModule):
             self._training_split()  # where the vocabulary comes from: named before any launch
         return found
 
-    def prepare_data(self) -> None:
-        """Converts the fit stage's raw TSV splits into the cache, for a caller without a Trainer (a
-        script, the bench). Under a Trainer this does nothing: ``setup`` converts instead, because
-        Lightning waits for this hook on a barrier that never times out (``_InfiniteBarrier``, a
-        gloo group with a 10,000-day timeout), and a converting rank stuck there would hang the job."""
-        if self.trainer is None:
-            self._convert("fit")
+    # No prepare_data hook: Lightning waits for it on a barrier that never times out (``_InfiniteBarrier``,
+    # a gloo group with a 10,000-day timeout), and a converting rank stuck there would hang the job; without
+    # the hook Lightning enters no such barrier. ``setup`` converts instead (without a Trainer, as it opens
+    # each split; under one, on the converting ranks behind the strategy's bounded barrier).
 
     def _convert(self, stage: str) -> None:
         for name, files in self._files(stage).items():
@@ -379,7 +377,7 @@ class CriteoDataModule(LightningDataModule):
         dataset = self.datasets["predict"]
         return DataLoader(
             dataset, batch_size=None, sampler=EpochBatchSampler(len(dataset)), num_workers=self.num_workers,
-            worker_init_fn=IgnorePreemptionSignals(),  # as the other loaders' workers (app.data.loader)
+            worker_init_fn=ignore_preemption_signals,  # as the other loaders' workers (app.data.loader)
         )
 
     # ---- the vocabulary as checkpoint state -------------------------------------------------

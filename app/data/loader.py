@@ -4,7 +4,7 @@ Lightning stores the ``state_dict()`` of any dataloader that has one (its ``_Sta
 in the fit loop's checkpoint state and hands it back through ``load_state_dict`` before iterating.
 A plain DataLoader has no position to save, so a resumed run would repeat the epoch's first batches.
 
-Its worker processes ignore the pre-emption signals (``IgnorePreemptionSignals``): SLURM's
+Its worker processes ignore the pre-emption signals (``ignore_preemption_signals``): SLURM's
 ``--signal`` and ``scancel`` signal every process of the job step, workers included, and a worker
 must neither die of them (the rank would fail with "DataLoader worker exited unexpectedly") nor run
 the handler it inherited from its rank; the rank itself acts on the signal (app/checkpoint/preemption.py).
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,23 +28,15 @@ from app.data.dataset import CriteoBatches, EpochBatchSampler
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
-class IgnorePreemptionSignals:
-    """A DataLoader ``worker_init_fn`` that makes the worker ignore ``PREEMPTION_SIGNALS`` sent by anyone but
-    its rank, then calls ``worker_init_fn`` (a user's own, if any).
+def ignore_preemption_signals(worker_id: int) -> None:
+    """A DataLoader ``worker_init_fn``: the worker ignores ``PREEMPTION_SIGNALS`` sent by anyone but its rank.
 
     Set in the worker rather than around the fork: torch installs its own SIGTERM handler in every
     worker when it starts (torch/utils/data/_utils/worker.py) and calls ``worker_init_fn`` after that.
-    A class, not a closure, so that it pickles for workers started with ``spawn``.
+    A module-level function, so that it pickles for workers started with ``spawn``.
     """
-
-    def __init__(self, worker_init_fn: Callable[[int], None] | None = None) -> None:
-        self.worker_init_fn = worker_init_fn
-
-    def __call__(self, worker_id: int) -> None:
-        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-        _end_on_sigterm_from_the_rank_only()
-        if self.worker_init_fn is not None:
-            self.worker_init_fn(worker_id)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    _end_on_sigterm_from_the_rank_only()
 
 
 def _end_on_sigterm_from_the_rank_only() -> None:
@@ -74,13 +66,10 @@ class ResumableBatchLoader(DataLoader):
 
     Args:
         dataset: this rank's batches.
-        num_workers: worker processes that assemble batches.
-        worker_init_fn: called in each worker after it is set to ignore the pre-emption signals.
+        num_workers: worker processes that assemble batches; they ignore the pre-emption signals.
     """
 
-    def __init__(
-        self, dataset: CriteoBatches, num_workers: int = 0, worker_init_fn: Callable[[int], None] | None = None
-    ) -> None:
+    def __init__(self, dataset: CriteoBatches, num_workers: int = 0) -> None:
         super().__init__(
             dataset,
             batch_size=None,  # the dataset yields whole batches
@@ -88,8 +77,7 @@ class ResumableBatchLoader(DataLoader):
             num_workers=num_workers,
             persistent_workers=num_workers > 0,
             pin_memory=torch.cuda.is_available(),
-            worker_init_fn=worker_init_fn if isinstance(worker_init_fn, IgnorePreemptionSignals)
-            else IgnorePreemptionSignals(worker_init_fn),
+            worker_init_fn=ignore_preemption_signals,
         )
         self._next_batch = 0
         # Batches handed out but not trained on yet (a training pipeline's queue, kept up to date by

@@ -111,11 +111,6 @@ class HolderLock:
                 self.path.unlink(missing_ok=True)
             self.held = False
 
-    def still_held(self) -> bool:
-        """Whether the lock file still names this holder (nobody deleted or took it over)."""
-        holder = read_holder(self.path)
-        return self.held and holder is not None and holder.token == self.me.token
-
     def _create(self) -> bool:
         record = self.path.with_name(f"{self.path.name}.{self.me.host}-{self.me.pid}-{self.me.token}")
         record.write_text(json.dumps(asdict(self.me), indent=1) + "\n")
