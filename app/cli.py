@@ -88,7 +88,7 @@ class DLRMCLI(LightningCLI):
         if self.subcommand and self.trainer.global_rank == 0 and isinstance(self.datamodule, CriteoDataModule):
             self.datamodule.check_inputs(self.subcommand)
         # Pre-emption signals are recorded from here on, in every process (each rank runs this CLI), before
-        # any work (prepare_data's conversion) and before Lightning installs its own handlers. After the
+        # any work (the raw-TSV conversion in the data module's setup) and before Lightning installs its own handlers. After the
         # checks above: a refused setting leaves the process's handlers as they were.
         for callback in self.trainer.callbacks:
             if isinstance(callback, SaveOnSignal):

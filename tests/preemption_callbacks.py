@@ -23,7 +23,7 @@ class SignalAt(Callback):
 
     Args:
         signal_name: SIGUSR1, SIGTERM, SIGKILL, ...
-        at: ``setup`` (the setup hook: after prepare_data, before Lightning installs its handlers),
+        at: ``setup`` (the setup hook: after the raw-TSV conversion, before Lightning installs its handlers),
             ``train`` (``on_train_batch_end`` of global step ``step``) or ``validation``
             (``on_validation_batch_end`` of batch ``batch`` of the first validation after step ``step``,
             not the sanity check).

@@ -159,7 +159,7 @@ def test_without_scontrol_the_checkpoint_is_saved_and_rank_0_exits_non_zero(samp
 
 
 def test_a_signal_before_training_stops_every_rank_without_a_save_and_requeues(sample, tmp_path):
-    """SIGUSR1 to the whole job in the setup hook (after prepare_data, before Lightning installs its
+    """SIGUSR1 to the whole job in the setup hook (after the raw-TSV conversion, before Lightning installs its
     handlers): nothing was trained, so nothing is saved; the ranks stop and the job is requeued."""
     root = tmp_path / "run"
     args = fit_args(sample, root, "--trainer.callbacks+=preemption_callbacks.SignalAt",

@@ -5,7 +5,7 @@ allocation, to every process of the step (loader workers included); Kubernetes a
 SIGTERM. Lightning's own handlers do not fit a sharded checkpoint: its SLURM SIGUSR1 handler saves
 from inside the signal handler and its SIGTERM handler broadcasts from inside the handler (a
 collective there deadlocks when the signal reaches only some ranks). Here the handler only records
-the signal. It is installed by the CLI before any work starts (``prepare_data``'s raw-TSV
+the signal. It is installed by the CLI before any work starts (the raw-TSV
 conversion included), so Lightning, which installs its SLURM SIGUSR1 handler only where none is,
 never installs it; its SIGTERM handler, which it installs whatever is there, is replaced again at
 once (``setup``). Loader workers ignore both signals (``app.data.loader``).
@@ -152,7 +152,7 @@ class SaveOnSignal(Callback):
         self._previous_handlers = {}
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self.install(trainer)  # a trainer built without the app's CLI: from here on (after prepare_data)
+        self.install(trainer)  # a trainer built without the app's CLI: from here on (before the data module converts raw TSV in its setup)
         if not self._previous_handlers:
             return
         # Lightning registers its handlers after this hook and before the sanity check: for SIGTERM
@@ -227,7 +227,7 @@ class SaveOnSignal(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._first_step = trainer.global_step
-        # A signal during prepare_data, set-up, loading or the sanity check: acted on before step one.
+        # A signal during set-up (the raw-TSV conversion included), loading or the sanity check: acted on before step one.
         self._check(trainer, due=True)
 
     def on_train_batch_end(
