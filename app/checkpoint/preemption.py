@@ -152,7 +152,7 @@ class SaveOnSignal(Callback):
         self._previous_handlers = {}
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self.install(trainer)  # a trainer built without the app's CLI: from here on (before the data module converts raw TSV in its setup)
+        self.install(trainer)  # a trainer built without the app's CLI: from here on (after the data module's setup, which Lightning calls first)
         if not self._previous_handlers:
             return
         # Lightning registers its handlers after this hook and before the sanity check: for SIGTERM
