@@ -13,12 +13,14 @@ import torch.distributed as dist
 
 def host_process_group() -> dist.ProcessGroup | None:
     """The group to gather CPU tensors through: None (the default group) where the default group
-    carries them or there is a single process, else a new gloo group over all ranks.
+    carries them, else a new gloo group over all ranks. A single NCCL process needs one too:
+    torchmetrics gathers whatever the world size, and NCCL refuses a CPU tensor ("No backend type
+    associated with device type cpu", every validation of a 1-GPU fit on an H200).
 
     Collective the first time in a process group: every rank must call it at the same point (e.g. in
     a ``setup`` hook); later calls return the same group.
     """
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+    if not dist.is_available() or not dist.is_initialized():
         return None
     if carries_host_tensors():
         return None

@@ -9,6 +9,7 @@ from typing import Any, Literal
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
 from torch import nn
+from torchrec import optim as torchrec_optim
 from torchrec.optim import RowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -32,6 +33,12 @@ _SPARSE_OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
     "adam": torch.optim.Adam,
 }
+# The classes handed to ``apply_optimizer_in_backward`` for the fused kernels. It builds one on each
+# table's parameter with FBGEMM's keyword arguments, which torch's Adam refuses (``weight_decay_mode``:
+# "unexpected keyword argument", seen on an H200); TorchRec's placeholder Adam takes them and maps to the
+# same EmbOptimType.ADAM (torchrec/distributed/utils.py). Replicated tables keep torch's Adam above: their
+# update is a real step, which the placeholder cannot take.
+_FUSED_OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = _SPARSE_OPTIMIZER_CLASSES | {"adam": torchrec_optim.Adam}
 _DENSE_OPTIMIZER_CLASSES: dict[str, type[torch.optim.Optimizer]] = {
     "adagrad": torch.optim.Adagrad,
     "adam": torch.optim.Adam,
@@ -207,7 +214,7 @@ def fuse_sparse_optimizer(
     the Adagrad family and Adam are invariant to that scale, plain SGD is not, and neither is L2 weight
     decay, which is added to that sum: with N processes it pulls 1/N as hard against the gradient.
     """
-    optimizer_class = _lookup(_SPARSE_OPTIMIZER_CLASSES, name, "model.sparse_optimizer")
+    optimizer_class = _lookup(_FUSED_OPTIMIZER_CLASSES, name, "model.sparse_optimizer")
     kwargs = sparse_optimizer_kwargs(name, learning_rate) | fused_weight_decay_kwargs(weight_decay, weight_decay_mode)
     apply_optimizer_in_backward(optimizer_class, embedding_parameters, kwargs)
 
