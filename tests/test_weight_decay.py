@@ -25,6 +25,7 @@ from torch import nn
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from app.distributed.sharding import default_sharders
@@ -134,6 +135,21 @@ def test_the_decay_reaches_the_fused_kernel_and_fbgemms_cpu_kernel_drops_it(one_
 def test_no_decay_leaves_the_kernel_as_before(one_rank_group):
     _, kernel = sharded_table("row_wise_adagrad", 0.0, "decoupled", torch.device("cpu"))
     assert kernel.weight_decay_mode == WeightDecayMode.NONE and kernel.optimizer_args.weight_decay == 0.0
+
+
+@pytest.mark.parametrize("optimizer", ["row_wise_adagrad", "adam"])
+def test_fbgemms_weight_decay_arguments_reach_the_table_whatever_the_fused_optimizer(optimizer):
+    # torch's Adam refused FBGEMM's weight_decay_mode when apply_optimizer_in_backward built it on the
+    # table (found on an H200): the fused tables get a class that takes FBGEMM's arguments, mapped by
+    # TorchRec to the same FBGEMM optimizer. Checked on meta parameters, before any sharding or device.
+    tables = build_embedding_bag_collection(4, [4], "meta")
+    fuse_sparse_optimizer(tables.parameters(), optimizer, LEARNING_RATE, WEIGHT_DECAY, "decoupled")
+    (weight,) = tables.parameters()
+    (optimizer_class,) = weight._optimizer_classes
+    expected = {"row_wise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "adam": EmbOptimType.ADAM}[optimizer]
+    assert optimizer_type_to_emb_opt_type(optimizer_class) == expected
+    (kwargs,) = weight._optimizer_kwargs
+    assert (kwargs["weight_decay"], kwargs["weight_decay_mode"]) == (WEIGHT_DECAY, WeightDecayMode.DECOUPLE)
 
 
 def test_the_module_hands_its_settings_to_both_optimizers():
