@@ -74,6 +74,7 @@ class DLRMCLI(LightningCLI):
             if init_args is not None and "save_dir" in init_args and init_args.save_dir is None:
                 init_args.save_dir = root
         _check_early_stopping(config)
+        _check_last_can_be_found(config)
         if config.get("ckpt_path") == BEST:
             config.ckpt_path = _best_checkpoint_path(config)
 
@@ -112,6 +113,20 @@ def _check_early_stopping(config: Any) -> None:
         raise ValueError(
             f"early_stopping.mode = {stopping.mode} but checkpoint.mode = {checkpoint.mode} for the same metric "
             f"{stopping.monitor}: set --early_stopping.mode {checkpoint.mode}"
+        )
+
+
+def _check_last_can_be_found(config: Any) -> None:
+    """Refuses ``--ckpt_path last`` with checkpointing off. Lightning looks for ``last`` through the run's
+    ModelCheckpoint, which ``trainer.enable_checkpointing: false`` removes: it would warn and then fit
+    from step 0, or validate an untrained model, even with last.ckpt in the folder (a GPU check that
+    resumed so trained from step 1). With checkpointing on and no checkpoint yet (a first start under
+    SLURM), it still starts afresh, as Lightning does."""
+    if config.get("ckpt_path") == "last" and config.trainer.get("enable_checkpointing") is False:
+        raise ValueError(
+            "ckpt_path last: trainer.enable_checkpointing is false, so Lightning has no ModelCheckpoint to find "
+            f"last.ckpt in {config.checkpoint.dirpath} with and would start from an untrained model; set "
+            "--trainer.enable_checkpointing true or give the checkpoint's path"
         )
 
 

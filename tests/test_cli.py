@@ -78,6 +78,7 @@ def test_configs_name_no_output_path_but_the_run_folder(config):
         (["--trainer.accumulate_grad_batches", "2"], "trainer.accumulate_grad_batches = 2: the embedding optimizer is fused"),
         (["--model.sparse_optimizer", "adam"], "model.sparse_optimizer: Adam has no CPU embedding kernel in FBGEMM"),
         (["--model.embedding_precision", "fp16"], "model.embedding_precision = fp16: FBGEMM's CPU embedding kernels round"),
+        (["--trainer.enable_checkpointing", "false", "--ckpt_path", "last"], "ckpt_path last: trainer.enable_checkpointing is false"),
     ],
 )
 def test_bad_settings_stop_before_any_worker_with_one_line(args, message, sample_dir, capsys):
