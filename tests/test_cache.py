@@ -1,4 +1,4 @@
-"""The one road from raw TSV to batches: the NumPy cache made from ``prepare_data``, its reuse and
+"""The one road from raw TSV to batches: the NumPy cache made by the data module's ``setup``, its reuse and
 redoing, table sizes from the data, and what each stage reads (issue 7)."""
 
 from __future__ import annotations
@@ -141,9 +141,9 @@ def test_ranks_that_wait_get_the_conversion_error(tmp_path):
     with pytest.raises(ValueError, match="the rank converting it .local rank 0 of each node, or global rank 0 under data.prepare_data_per_node false. did not finish"):
         cached_days(request, convert=False)  # nothing converted yet
     with pytest.raises(CriteoFormatError, match=r"train\.tsv:7: field I1"):
-        cached_days(request)  # local rank 0, in prepare_data
+        cached_days(request)  # the converting rank (local rank 0), in setup
     with pytest.raises(ValueError, match=r"its conversion failed: .*train\.tsv:7: field I1"):
-        cached_days(request, convert=False)  # the others, after Lightning's barrier
+        cached_days(request, convert=False)  # the others, after the strategy's barrier
 
 
 def test_auto_table_sizes_are_the_exact_distinct_ids_and_the_model_follows(tmp_path):

@@ -187,7 +187,7 @@ def test_ranks_waiting_for_the_conversion_stop_at_the_barrier_timeout_naming_it(
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and "SET UP" not in out and len(errors) == 1, err[-3000:]
     assert errors[0].startswith(
-        "error: rank 1: waited trainer.strategy.init_args.barrier_timeout_s = 2 s at the prepare_data barrier "
+        "error: rank 1: waited trainer.strategy.init_args.barrier_timeout_s = 2 s at the cache_conversion barrier "
         "(the raw-TSV cache being converted, app.data.cache) for a rank that did not come: raise it if that work "
         "takes longer; "
     ), errors[0]

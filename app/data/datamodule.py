@@ -280,7 +280,7 @@ class CriteoDataModule(LightningDataModule):
             except Exception as failure:  # after the barrier: leaving now would leave the others waiting
                 error = failure
         try:
-            trainer.strategy.barrier("prepare_data")
+            trainer.strategy.barrier("cache_conversion")
         except Exception:
             if error is None:
                 raise

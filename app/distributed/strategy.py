@@ -67,7 +67,7 @@ from app.distributed.topology import DeviceTopology, resolve_topology, validate_
 APPLIED_PRECISIONS = ("32-true", "bf16-mixed")
 # What the ranks wait for at the barriers that can take long, by the name the caller gives (messages).
 BARRIER_WORK = {
-    "prepare_data": "the raw-TSV cache being converted, app.data.cache",
+    "cache_conversion": "the raw-TSV cache being converted, app.data.cache",
     "remove_checkpoint": "rank 0 deleting an old checkpoint",
 }
 
