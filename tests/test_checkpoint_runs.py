@@ -83,12 +83,17 @@ def weights(root: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     return torch.load(single_file, weights_only=True)["state_dict"]
 
 
-def final_val_metrics(root: Path) -> dict[str, str]:
+def validation_rows(root: Path) -> list[dict[str, str]]:
+    """Every validation the run's CSV logger wrote, across the versions of its restarts, in order."""
     rows = []
     for path in sorted(root.glob("csv/version_*/metrics.csv")):
         with path.open() as f:
             rows += [row for row in csv.DictReader(f) if row.get("val/auc")]
-    return {k: v for k, v in rows[-1].items() if k.startswith("val/")}
+    return rows
+
+
+def final_val_metrics(root: Path) -> dict[str, str]:
+    return {k: v for k, v in validation_rows(root)[-1].items() if k.startswith("val/")}
 
 
 @pytest.fixture(scope="module")

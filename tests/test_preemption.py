@@ -6,7 +6,6 @@ then does to the job what SLURM's requeue does (SIGTERM to every process; with `
 
 from __future__ import annotations
 
-import csv
 import os
 import shutil
 import signal
@@ -21,6 +20,7 @@ from torch.utils.data import DataLoader
 from app.checkpoint import format as checkpoint_format
 from app.data.loader import ignore_preemption_signals
 from multiprocess import AGENT_STORE, DEMO_BEFORE_QUALITY_SETTINGS, rendezvous_port
+from test_checkpoint_runs import validation_rows
 
 TESTS = Path(__file__).resolve().parent
 LIMIT_S = 240  # a whole run on a busy 2-core machine is well under this; a hang fails the test
@@ -108,14 +108,6 @@ def _run_tasks(args: list[str], base: dict[str, str], logs: list[Path]) -> list[
 def checkpoint_names(root: Path) -> list[str]:
     """The published checkpoints (links), without the folders they point at."""
     return sorted(p.name for p in (root / "checkpoints").iterdir() if not p.name.startswith("."))
-
-
-def validation_rows(root: Path) -> list[dict[str, str]]:
-    rows = []
-    for path in sorted(root.glob("csv/version_*/metrics.csv")):
-        with path.open() as f:
-            rows += [row for row in csv.DictReader(f) if row.get("val/auc")]
-    return rows
 
 
 def last_step(root: Path) -> int:
