@@ -402,9 +402,9 @@ class TorchRecStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if getattr(self.lightning_module, "training_step_calls_model", False):
             # A pipelined step (app.train.pipeline) calls the DMP once per batch itself; routing the step
-            # through the DMP as well would nest two forwards of the DDP around the dense part.
-            with self.precision_plugin.train_step_context():
-                return self.lightning_module.training_step(*args, **kwargs)
+            # through the DMP as well would nest two forwards of the DDP around the dense part. It enters
+            # the precision's context around its forward alone, not around the backward it also runs.
+            return self.lightning_module.training_step(*args, **kwargs)
         return super().training_step(*args, **kwargs)
 
     def model_to_device(self) -> None:

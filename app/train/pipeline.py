@@ -203,9 +203,13 @@ class PipelinedTraining:
     def _forward(self, batch: CriteoBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # Called by the pipeline through DMP (and the DDP around the dense part), so the dense
         # gradients are all-reduced in the backward the pipeline runs.
+        # The forward and the loss under the precision's autocast, as Lightning's plain loop runs
+        # training_step, and not the pipeline's backward and step: a CPU backward runs on this thread
+        # and under autocast would compute its matmuls in bf16 again (the two loops then differ).
         self._trained_batch = batch
-        logits = self._model(batch)
-        loss = self.loss_fn(logits, batch)
+        with self.module.trainer.strategy.precision_plugin.train_step_context():
+            logits = self._model(batch)
+            loss = self.loss_fn(logits, batch)
         return loss, loss.detach()
 
     def step(self, dataloader_iter: Any) -> tuple[torch.Tensor, CriteoBatch]:
