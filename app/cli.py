@@ -32,6 +32,7 @@ from app.notices import silence_library_notices
 from app.train.callbacks import PredictionWriter, SamplesPerSecond
 from app.train.early_stopping import EarlyStoppingWhenAsked
 from app.train.module import DLRMModule
+from app.train.precision import FLOAT32, default_precision
 
 # Errors a user causes with a setting or a file: shown as one line, not a traceback.
 _USER_ERRORS = (ValueError, FileNotFoundError)
@@ -73,6 +74,7 @@ class DLRMCLI(LightningCLI):
             init_args = getattr(logger, "init_args", None)
             if init_args is not None and "save_dir" in init_args and init_args.save_dir is None:
                 init_args.save_dir = root
+        _choose_precision(config.trainer)
         _check_early_stopping(config)
         _check_last_can_be_found(config)
         if config.get("ckpt_path") == BEST:
@@ -103,6 +105,16 @@ class DLRMCLI(LightningCLI):
         if self.subcommand and hasattr(trainer.strategy, "requested_ckpt_path"):
             trainer.strategy.requested_ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         return trainer
+
+
+def _choose_precision(trainer: Any) -> None:
+    """Sets an unset ``trainer.precision`` to the app's default for the accelerator (app/train/precision.py:
+    bf16 autocast on a CPU with bf16 matrix units), and says so once. The saved config.yaml then records it."""
+    if trainer.get("precision") is not None:
+        return
+    precision, why = default_precision(trainer.get("accelerator"))
+    trainer.precision = precision
+    rank_zero_info(f"trainer.precision unset: {precision or FLOAT32} ({why})")
 
 
 def _check_early_stopping(config: Any) -> None:

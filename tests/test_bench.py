@@ -21,6 +21,7 @@ from app.bench.trained_batches import TrainedBatches
 from app.data.datamodule import CriteoDataModule
 from app.data.dataset import CriteoBatches
 from app.data.synthetic import write_synthetic_criteo
+from app.train.precision import default_precision
 
 TINY = [
     "--preset", "demo", "--run.warmup_steps", "2", "--run.measured_steps", "4",
@@ -45,6 +46,9 @@ def test_make_bench_prints_a_json_line_per_run_and_the_ratio(tmp_path):
         assert line["samples_per_s_median"] > 0 and 0 < line["step_ms_p50"] <= line["step_ms_p90"] <= line["step_ms_p99"]
         assert [m["rank"] for m in line["peak_memory_per_rank"]] == [0, 1]
         assert line["config"]["data"]["ids_per_lookup"] == 2 and line["versions"]["torchrec"]
+    # The app trains in its default precision on this machine (tests/test_precision.py), the raw loop in float32.
+    assert lines[0]["config"]["precision"] == (default_precision("cpu")[0] or "32-true")
+    assert lines[1]["config"]["precision"] == "32-true"
     summary = lines[2]
     assert summary["summary"] is True and summary["same_plan"] is True and summary["same_batches"] is True
     assert summary["ratio_app_over_raw"] == pytest.approx(lines[0]["samples_per_s_median"] / lines[1]["samples_per_s_median"])
@@ -69,6 +73,8 @@ def test_every_preset_parses_and_can_run_here(preset):
         (["--data.ids_per_lookup", "[1, 2]"], "data.ids_per_lookup = [1, 2]: give one positive int, or one per table"),
         (["--app_variants", '{"fast": {"no_such_setting": 1}}'], "app_variants.fast.no_such_setting is neither a model setting"),
         (["--app_variants", '{"fast": {"strategy": {"no_such": 1}}}'], "app_variants.fast.strategy.no_such is not a strategy setting"),
+        (["--app_variants", '{"half": {"precision": "16-mixed"}}'], "app_variants.half.precision = 16-mixed: the app applies"),
+        (["--run.precision", "bf16-true"], "run.precision = bf16-true: the app applies 32-true or bf16-mixed"),
         (["--preset", "no_such_preset"], "--preset 'no_such_preset'"),
     ],
 )

@@ -14,7 +14,7 @@ from lightning.pytorch import LightningDataModule, Trainer
 from app.bench.data import RandomDataModule, pins_batches
 from app.bench.dataset import open_dataset
 from app.bench.measure import StepClock, StepClockCallback
-from app.bench.settings import BenchSpec, split_variant
+from app.bench.settings import BenchSpec, app_precision, split_variant
 from app.bench.trained_batches import TrainedBatches, TrainedBatchesCallback
 from app.checkpoint.preemption import SaveOnSignal
 from app.distributed.strategy import TorchRecStrategy
@@ -38,7 +38,7 @@ def run_app(
         max_steps=spec.total_steps,
         default_root_dir=spec.run.output_dir,  # the strategy writes the plan it used there
         max_epochs=-1,
-        precision=spec.run.precision,
+        precision=app_precision(spec.run, model_overrides),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

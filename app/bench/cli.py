@@ -38,7 +38,8 @@ from app.bench.data import RandomData
 from app.bench.dataset import GROUP_DESCRIPTION, GROUP_TITLE, SKIPPED_SETTINGS, dataset_settings, read_dataset
 from app.bench.launch import run_on_ranks
 from app.bench.measure import growth_over_expected, step_statistics
-from app.bench.settings import BenchSpec, RunSettings, check_can_run, check_run_settings, split_variant
+from app.bench.settings import BenchSpec, RunSettings, app_precision, check_can_run, check_run_settings, split_variant
+from app.train.precision import FLOAT32
 from app.data.datamodule import CriteoDataModule
 from app.distributed.strategy import TorchRecStrategy
 from app.train.module import DLRMModule
@@ -173,6 +174,8 @@ def run_line(spec: BenchSpec, label: str, repeat: int, ranks: list[dict[str, Any
         "config": {
             "run": vars(spec.run), **_data_config(spec), "model": {**spec.model, **model_overrides},
             "strategy": {**spec.strategy, **strategy_overrides},
+            # The raw loops train in float32, whatever the app does.
+            "precision": FLOAT32 if label.startswith("raw") else app_precision(spec.run, overrides),
         },
     }  # fmt: skip
 

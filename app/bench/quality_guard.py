@@ -31,10 +31,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # The levers of docs/performance.md that run on CPU, each as the settings that turn it on.
 DEFAULT_LEVERS: dict[str, list[str]] = {
+    "bf16_autocast": ["--trainer.precision", "bf16-mixed"],
     "compile": ["--model.compile", "true"],
     "qcomms_fp16": ["--trainer.strategy.init_args.qcomms", "{forward_precision: fp16, backward_precision: fp16}"],
 }
-DEFAULT_BASELINE = ["--model.compile", "false"]
+DEFAULT_BASELINE = ["--model.compile", "false", "--trainer.precision", "32-true"]
 
 
 def build_parser() -> ArgumentParser:

@@ -10,15 +10,19 @@ import torch
 
 from app.bench.data import RandomData
 from app.bench.dataset import DatasetInput
+from app.distributed.strategy import APPLIED_PRECISIONS
 from app.distributed.sharding import TableConstraint, validate_fused_optimizer, validate_sharding_request
 from app.model.dlrm import build_embedding_bag_collection, validate_dlrm_sizes
 from app.train.metrics import available_host_bytes
 from app.train.optimizers import fuse_sparse_optimizer
+from app.train.precision import FLOAT32, default_precision
 
 Side = Literal["app", "raw", "raw_base"]
 
 # The key of an app variant that holds strategy settings (``trainer.strategy.init_args.*``); its other keys are model settings.
 STRATEGY_KEY = "strategy"
+# The key of an app variant that sets the app's ``trainer.precision`` (e.g. ``{precision: 32-true}``).
+PRECISION_KEY = "precision"
 
 # Optimizer state the fused embedding optimizers keep per table element (row-wise Adagrad: per row).
 _STATE_PER_ELEMENT = {"adagrad": 1.0, "adam": 2.0, "sgd": 0.0, "row_wise_adagrad": 0.0}
@@ -31,7 +35,9 @@ class RunSettings:
     Args:
         world_size: processes (one per GPU with ``accelerator: gpu``), all on this machine.
         accelerator: ``cpu`` (gloo) or ``gpu`` (nccl).
-        precision: the app's ``trainer.precision`` (``32-true`` or ``bf16-mixed``); the plain loop trains in float32.
+        precision: the app's ``trainer.precision`` (``32-true`` or ``bf16-mixed``); unset, the app's own default
+            on this machine (``bf16-mixed`` on a CPU with bf16 matrix units, app/train/precision.py). The plain
+            loop trains in float32.
         warmup_steps: steps trained before the clock starts (start-up, first-touch memory, allocator warm-up).
         measured_steps: steps whose times are reported.
         repeats: app/raw pairs, run one after the other, alternating which side goes first.
@@ -47,7 +53,7 @@ class RunSettings:
 
     world_size: int = 2
     accelerator: Literal["cpu", "gpu"] = "cpu"
-    precision: str = "32-true"
+    precision: str | None = None
     warmup_steps: int = 20
     measured_steps: int = 100
     repeats: int = 1
@@ -109,10 +115,12 @@ def check_can_run(spec: BenchSpec) -> None:
     _check_tables_fit(spec, rows, model["embedding_dim"], model["sparse_optimizer"])
     for label, overrides in spec.app_variants.items():
         for key in overrides:
-            if key not in spec.model and key != STRATEGY_KEY:
+            if key not in spec.model and key not in (STRATEGY_KEY, PRECISION_KEY):
                 raise ValueError(
-                    f"app_variants.{label}.{key} is neither a model setting nor {STRATEGY_KEY!r}; model settings: {', '.join(spec.model)}"
+                    f"app_variants.{label}.{key} is neither a model setting nor {STRATEGY_KEY!r} or {PRECISION_KEY!r}; "
+                    f"model settings: {', '.join(spec.model)}"
                 )
+        _check_precision(f"app_variants.{label}.{PRECISION_KEY}", overrides.get(PRECISION_KEY))
         for key in overrides.get(STRATEGY_KEY) or {}:
             if key not in spec.strategy:
                 raise ValueError(
@@ -120,14 +128,29 @@ def check_can_run(spec: BenchSpec) -> None:
                 )
 
 
+def _check_precision(setting: str, precision: str | None) -> None:
+    """The app's strategy applies only these precisions (it refuses the others once its workers run)."""
+    if precision is not None and precision not in APPLIED_PRECISIONS:
+        raise ValueError(f"{setting} = {precision}: the app applies {' or '.join(APPLIED_PRECISIONS)}")
+
+
 def split_variant(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A variant's (model settings, strategy settings): the strategy's under its ``strategy`` key."""
-    model = {key: value for key, value in overrides.items() if key != STRATEGY_KEY}
+    """A variant's (model settings, strategy settings): the strategy's under its ``strategy`` key (its
+    ``precision``, a trainer setting, is read by ``app_precision``)."""
+    model = {key: value for key, value in overrides.items() if key not in (STRATEGY_KEY, PRECISION_KEY)}
     return model, dict(overrides.get(STRATEGY_KEY) or {})
+
+
+def app_precision(run: RunSettings, overrides: dict[str, Any]) -> str:
+    """The app's ``trainer.precision`` in a run: the variant's, else ``run.precision``, else the app's default
+    on this machine, as ``python -m app`` chooses it (app/train/precision.py)."""
+    chosen = overrides.get(PRECISION_KEY) or run.precision
+    return chosen or default_precision(run.accelerator)[0] or FLOAT32
 
 
 def check_run_settings(run: RunSettings) -> None:
     """Raises a ValueError naming the ``run.*`` setting that cannot run here."""
+    _check_precision("run.precision", run.precision)
     for name in ("world_size", "warmup_steps", "measured_steps", "repeats"):
         if getattr(run, name) < 1:
             raise ValueError(f"run.{name} = {getattr(run, name)} must be at least 1")
