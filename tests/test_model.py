@@ -200,6 +200,37 @@ def test_first_order_adds_each_ids_first_embedding_component_to_the_logit(intera
     assert type(with_bias).__name__.endswith("WithFirstOrder")
 
 
+@pytest.mark.parametrize("interaction", INTERACTIONS)
+@pytest.mark.parametrize("first_order", [False, True])
+def test_second_order_adds_the_pairwise_dot_products_of_the_embeddings_to_the_logit(interaction, first_order):
+    plain = build_dlrm(interaction=interaction, first_order=first_order, **SMALL_DLRM)
+    with_pairs = build_dlrm(interaction=interaction, first_order=first_order, second_order=True, **SMALL_DLRM)
+    assert list(with_pairs.state_dict()) == list(plain.state_dict())  # no new parameter
+    with_pairs.load_state_dict(plain.state_dict())
+    batch = _batch()
+    tables = plain.sparse_arch.embedding_bag_collection.embedding_bags
+    ids = batch.sparse_features.values().view(26, -1)
+    skip = 1 if first_order else 0  # the first component is the bias, not a factor
+    rows = [tables[f"t_cat_{j}"].weight[ids[j], skip:] for j in range(26)]  # (B, D - skip) each
+    expected = sum((rows[f] * rows[g]).sum(dim=1) for f in range(26) for g in range(f + 1, 26))
+    with torch.no_grad():
+        difference = with_pairs(batch.dense_features, batch.sparse_features) - plain(batch.dense_features, batch.sparse_features)
+    torch.testing.assert_close(difference.squeeze(1), expected, rtol=0, atol=1e-5)
+    assert type(with_pairs).__name__.endswith("SecondOrder")
+
+
+def test_the_factorization_machine_terms_are_float32_under_bf16_autocast():
+    model = build_dlrm(interaction="dot", first_order=True, second_order=True, **SMALL_DLRM)
+    batch = _batch()
+    with torch.no_grad():
+        exact = model(batch.dense_features, batch.sparse_features)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = model(batch.dense_features, batch.sparse_features)
+    assert autocast.dtype == torch.float32
+    # Only the MLPs and the interaction run in bf16: the logits stay within bf16's rounding of their inputs.
+    torch.testing.assert_close(autocast, exact, rtol=0, atol=0.05)
+
+
 def _validation_metrics(cli) -> dict:
     return {"global_step": cli.trainer.global_step} | {
         name: float(value) for name, value in cli.trainer.callback_metrics.items() if name in ("val/logloss", "val/auc")

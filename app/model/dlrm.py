@@ -119,34 +119,64 @@ class Float32Linear(nn.Linear):
             return nn.functional.linear(features.to(dtype), self.weight.to(dtype), bias)
 
 
-class FirstOrderTerm:
-    """Mixin for TorchRec's DLRM classes: the click logit plus, per sparse feature, the first component of the
-    looked-up (pooled) embedding -- a learned bias per id, a factorization machine's first-order term.
+class FactorizationMachineTerms:
+    """Mixin for TorchRec's DLRM classes: the click logit plus a factorization machine's terms over the looked-up
+    (pooled) embeddings, computed in float32. Which terms, per class (``with_factorization_machine_terms``):
 
-    DLRM itself has no per-id bias: an id's own effect on the click must pass through dot products with the
-    bottom MLP's output or the other embeddings, which it learns slowly and noisily. On Criteo-like data most
-    of the signal is such first-order effects (a logistic regression on the ids alone is a strong baseline;
-    docs/quality.md). The bias is the embedding's first component rather than a second one-wide table: no
-    extra lookup, all-to-all or checkpoint key (FBGEMM's kernels also refuse tables narrower than 4). Same
-    forward as ``DLRM.forward`` otherwise, so TorchRec's pipelines trace it as they trace DLRM.
+    * first order: per sparse feature, the embedding's first component -- a learned bias per id. DLRM itself
+      has no per-id bias: an id's own effect must pass through dot products with the bottom MLP's output
+      or the other embeddings, which it learns slowly and noisily. On Criteo-like data most of the signal
+      is such first-order effects (a logistic regression on the ids alone is a strong baseline;
+      docs/quality.md). The bias is the embedding's first component rather than a second one-wide table:
+      no extra lookup, all-to-all or checkpoint key (FBGEMM's kernels also refuse tables narrower than 4).
+    * second order: the sum over pairs of sparse features of their embeddings' dot product (the components
+      after the first when the first is the bias), as DeepFM adds an FM beside its MLP (arXiv 1703.04247).
+      DLRM's dot interaction computes the same dot products but hands them to the top MLP, which must
+      learn to weigh 325 of them before an embedding gets a useful gradient; added straight to the logit,
+      a pairwise effect in the data reaches the embeddings from the first step (docs/quality.md). Computed
+      as ``((sum_f v_f)^2 - sum_f v_f^2) / 2`` (Rendle's O(F D) identity), no new parameters.
+
+    Same forward as ``DLRM.forward`` otherwise, so TorchRec's pipelines trace it as they trace DLRM.
     """
+
+    first_order_term: bool = False
+    second_order_term: bool = False
 
     def forward(self, dense_features: torch.Tensor, sparse_features: Any) -> torch.Tensor:
         embedded_dense = self.dense_arch(dense_features)
         embedded_sparse = self.sparse_arch(sparse_features)  # (B, F, D)
         features = self.inter_arch(dense_features=embedded_dense, sparse_features=embedded_sparse)
-        first_order = embedded_sparse[:, :, 0].sum(dim=1, keepdim=True)
-        return self.over_arch(features) + first_order.to(torch.promote_types(first_order.dtype, torch.float32))
+        logits = self.over_arch(features)
+        # float32 at least, as the logit (autocast leaves these element-wise ops in the inputs' dtype).
+        embedded = embedded_sparse.to(torch.promote_types(embedded_sparse.dtype, torch.float32))
+        if self.first_order_term:
+            logits = logits + embedded[:, :, 0].sum(dim=1, keepdim=True)
+        if self.second_order_term:
+            logits = logits + pairwise_dot_sum(embedded[:, :, 1:] if self.first_order_term else embedded)
+        return logits
 
 
-_FIRST_ORDER_CLASSES: dict[type, type] = {}
+def pairwise_dot_sum(embedded: torch.Tensor) -> torch.Tensor:
+    """(B, F, D) -> (B, 1): the sum over the F (F - 1) / 2 pairs of rows of their dot products."""
+    square_of_sum = embedded.sum(dim=1).square()
+    sum_of_squares = embedded.square().sum(dim=1)
+    return 0.5 * (square_of_sum - sum_of_squares).sum(dim=1, keepdim=True)
 
 
-def with_first_order_term(model_class: type[DLRM]) -> type[DLRM]:
-    """``model_class`` with :class:`FirstOrderTerm`'s forward (one class per DLRM variant, made once)."""
-    if model_class not in _FIRST_ORDER_CLASSES:
-        _FIRST_ORDER_CLASSES[model_class] = type(f"{model_class.__name__}WithFirstOrder", (FirstOrderTerm, model_class), {})
-    return _FIRST_ORDER_CLASSES[model_class]
+_TERM_CLASSES: dict[tuple[type, bool, bool], type] = {}
+
+
+def with_factorization_machine_terms(model_class: type[DLRM], first_order: bool, second_order: bool) -> type[DLRM]:
+    """``model_class`` with :class:`FactorizationMachineTerms`' forward and these terms (one class per DLRM
+    variant and terms, made once); ``model_class`` itself without any term."""
+    if not (first_order or second_order):
+        return model_class
+    key = (model_class, first_order, second_order)
+    if key not in _TERM_CLASSES:
+        terms = "".join(name for name, on in (("FirstOrder", first_order), ("SecondOrder", second_order)) if on)
+        attributes = {"first_order_term": first_order, "second_order_term": second_order}
+        _TERM_CLASSES[key] = type(f"{model_class.__name__}With{terms}", (FactorizationMachineTerms, model_class), attributes)
+    return _TERM_CLASSES[key]
 
 
 def compute_logit_in_float32(model: DLRM) -> DLRM:
@@ -227,9 +257,11 @@ def build_dlrm(
     embedding_device: torch.device | str = "meta",
     embedding_precision: EmbeddingPrecision = "fp32",
     first_order: bool = False,
+    second_order: bool = False,
 ) -> DLRM:
     """Builds a DLRM with the chosen interaction; the embedding tables, in ``embedding_precision``, are left
-    on ``embedding_device``. ``first_order`` adds each id's bias to the logit (:class:`FirstOrderTerm`).
+    on ``embedding_device``. ``first_order`` adds each id's bias to the logit, ``second_order`` the sum of the
+    embeddings' pairwise dot products (:class:`FactorizationMachineTerms`).
 
     Raises:
         ValueError: naming the setting, for an unknown interaction or inconsistent layer sizes.
@@ -244,7 +276,7 @@ def build_dlrm(
         over_arch_layer_sizes=list(over_arch_layer_sizes),
     )
     def variant(model_class: type[DLRM]) -> type[DLRM]:
-        return with_first_order_term(model_class) if first_order else model_class
+        return with_factorization_machine_terms(model_class, first_order, second_order)
 
     if interaction == "dot":
         return compute_logit_in_float32(variant(DLRM)(**common))

@@ -113,6 +113,10 @@ class DLRMModule(LightningModule):
         first_order: add to the click logit, per feature, the first component of the id's embedding: a
             learned bias per id (a factorization machine's first-order term; DLRM has none), at no extra
             lookup. Measured on data whose truth has per-id effects: see docs/quality.md.
+        second_order: add to the click logit the sum over pairs of features of their embeddings' dot
+            product (after the first component with ``first_order``): a factorization machine's
+            pairwise term beside the MLP, as DeepFM has; no new parameters. Measured on data whose
+            truth has pairwise effects: see docs/quality.md.
     """
 
     def __init__(
@@ -146,6 +150,7 @@ class DLRMModule(LightningModule):
         compile: bool = False,
         embedding_precision: EmbeddingPrecision = "fp32",
         first_order: bool = False,
+        second_order: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -175,6 +180,7 @@ class DLRMModule(LightningModule):
             embedding_device="meta",
             embedding_precision=embedding_precision,
             first_order=first_order,
+            second_order=second_order,
         )
         self._first_compiled_step = FirstStepTimer()
         # Set before sharding: the sharder reads it to build the update into the embedding kernels.
