@@ -11,10 +11,12 @@ from app.bench import quality_guard
 
 def test_a_lever_that_changes_nothing_differs_by_exactly_zero(sample_dir, tmp_path, capsys):
     # The plain loop and TorchRec's pipeline train bit for bit alike (tests/test_pipeline.py): a real
-    # pair of runs through `python -m app fit` whose differences must be exactly 0.
+    # pair of runs through `python -m app fit` whose differences must be exactly 0. Under bf16 autocast:
+    # the pipelined step must run only its forward under autocast, as the plain loop does (a CPU
+    # backward under autocast computes its matmuls in bf16 again, and the two would differ).
     data = ["--data.train", str(sample_dir / "train.tsv"), "--data.val", str(sample_dir / "val.tsv"), "--data.test", "null",
             "--data.predict", "null", "--data.cache_dir", str(tmp_path / "cache"), "--data.batch_size", "512",
-            "--trainer.max_epochs", "1"]  # fmt: skip
+            "--trainer.max_epochs", "1", "--trainer.precision", "bf16-mixed"]  # fmt: skip
     lines = quality_guard.main([
         "--baseline", '["--model.pipeline", "none"]', "--levers", '{"sparse_dist": ["--model.pipeline", "sparse_dist"]}',
         "--extra", json.dumps(data), "--output_dir", str(tmp_path / "runs"),
