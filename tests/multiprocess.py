@@ -27,13 +27,12 @@ Inspect = Callable[[Any], dict[str, Any]]
 
 # configs/demo.yaml's training settings before its quality settings (docs/quality.md), for tests built on
 # the demo whose exact values, steps or validation counts were worked out with them: row-wise Adagrad at
-# 0.05, no per-id bias or pairwise term, no frequency threshold, two epochs validated once each, no early
+# 0.05, no per-id bias or pairwise term, no frequency threshold, one validation per epoch, no early
 # stopping (Lightning's defaults), and float32 whatever the CPU (unset, the precision is bf16 autocast on
-# CPUs with bf16 matrix units: app/train/precision.py).
+# CPUs with bf16 matrix units: app/train/precision.py). The tests set their own trainer.max_epochs.
 DEMO_BEFORE_QUALITY_SETTINGS = [
     "--model.first_order", "false", "--model.second_order", "false", "--trainer.precision", "32-true",
     "--model.sparse_optimizer", "row_wise_adagrad", "--model.sparse_learning_rate", "0.05",
-    "--trainer.max_epochs", "2",
     "--data.frequency_threshold", "0", "--trainer.val_check_interval", "1.0",
     "--early_stopping.monitor", "null", "--early_stopping.mode", "min",
 ]  # fmt: skip

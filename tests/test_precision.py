@@ -1,14 +1,11 @@
-"""The default trainer.precision: bf16 autocast on a CPU with bf16 matrix units, float32 elsewhere; a set value wins."""
+"""The default trainer.precision: bf16 autocast on a CPU with bf16 matrix units, float32 elsewhere; a set value wins.
+
+A real fit that records its choice: tests/test_train.py (test_fit_records_the_precision_it_chose_when_none_was_set)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-import yaml
 from jsonargparse import Namespace
 
 from app import cli
@@ -49,18 +46,3 @@ def test_a_precision_the_user_sets_is_kept(monkeypatch, given):
     trainer = Namespace(precision=given, accelerator="cpu")
     cli._choose_precision(trainer)
     assert trainer.precision == given
-
-
-def test_fit_records_the_chosen_precision_in_its_config(tmp_path, sample_dir):
-    # The real command line, one process: the saved config.yaml holds what the run trained with.
-    args = ["fit", "--config", "configs/demo.yaml", "--trainer.devices", "1", "--trainer.max_steps", "2",
-            "--data.train", str(sample_dir / "train.tsv"), "--data.val", "null", "--data.test", "null",
-            "--data.predict", "null", "--data.cache_dir", str(tmp_path / "cache"), "--early_stopping.monitor", "null",
-            "--checkpoint.monitor", "null", "--trainer.default_root_dir", str(tmp_path / "run")]  # fmt: skip
-    finished = subprocess.run([sys.executable, "-m", "app", *args], capture_output=True, text=True, timeout=300,
-                              cwd=Path(__file__).resolve().parents[1])  # fmt: skip
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    expected, why = precision.default_precision("cpu")
-    assert f"trainer.precision unset: {expected or '32-true'} ({why})" in finished.stdout + finished.stderr
-    (saved,) = (tmp_path / "run").rglob("config.yaml")
-    assert yaml.safe_load(saved.read_text())["trainer"]["precision"] == expected

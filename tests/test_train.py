@@ -14,8 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from app.data.synthetic import write_synthetic_criteo
+from app.train.precision import default_precision
 
 TIMEOUT_S = 300
 
@@ -87,6 +89,15 @@ def test_fit_learns_the_planted_signal(trained):
     written = [(int(r["step"]), float(r["train/samples_per_sec"])) for r in _metrics(trained["root"]) if r.get("train/samples_per_sec")]
     assert [step for step, _ in written] == list(range(9, 80, 10))
     assert all(0 < rate < float("inf") for _, rate in written)
+
+
+def test_fit_records_the_precision_it_chose_when_none_was_set(trained):
+    # The demo leaves trainer.precision unset: bf16 autocast on a CPU with bf16 matrix units, else float32
+    # (tests/test_precision.py). The choice is printed once and the saved config.yaml holds it.
+    expected, why = default_precision("cpu")
+    assert trained["log"].count(f"trainer.precision unset: {expected or '32-true'} ({why})") == 1
+    (saved,) = trained["root"].rglob("config.yaml")
+    assert yaml.safe_load(saved.read_text())["trainer"]["precision"] == expected
 
 
 def test_the_first_start_with_ckpt_path_last_trains_from_scratch(trained):
