@@ -75,6 +75,11 @@ def test_every_preset_parses_and_can_run_here(preset):
         (["--app_variants", '{"fast": {"strategy": {"no_such": 1}}}'], "app_variants.fast.strategy.no_such is not a strategy setting"),
         (["--app_variants", '{"half": {"precision": "16-mixed"}}'], "app_variants.half.precision = 16-mixed: the app applies"),
         (["--run.precision", "bf16-true"], "run.precision = bf16-true: the app applies 32-true or bf16-mixed"),
+        (
+            ["--app_variants", '{"graphs": {"compile": true, "compile_mode": "reduce-overhead"}}'],
+            "app_variants.graphs.compile_mode = reduce-overhead replays the dense layers as CUDA graphs, which need a CUDA GPU",
+        ),
+        (["--model.compile_mode", "max-autotune"], "model.compile_mode = max-autotune applies to compiled dense layers"),
         (["--preset", "no_such_preset"], "--preset 'no_such_preset'"),
     ],
 )
@@ -176,6 +181,21 @@ def test_multi_hot_days_give_their_bag_sizes_as_pooling_factors(tmp_path):
     kjt = batch.sparse_features
     tensors = (batch.dense_features, batch.labels, batch.row_ids, kjt.values(), kjt.lengths())
     assert dataset.batch_bytes() == sum(t.numel() * t.element_size() for t in tensors)  # what a batch holds
+
+
+def test_same_plan_compares_the_default_app_run_with_the_plain_loop_and_names_variants_with_their_own():
+    spec = bench_cli.spec_from(bench_cli.build_parser().parse_args(bench_cli.expand_presets(["--preset", "demo"])))
+
+    def line(run: str, plan: str) -> dict:
+        memory = [{"growth_over_expected": 1.0}]
+        return {"run": run, "plan": plan, "samples_per_s_median": 100.0, "step_ms_p50": 1.0,
+                "batches_checksum_per_rank": ["12:0abc"], "peak_memory_per_rank": memory}  # fmt: skip
+
+    lines = [line("app", "P"), line("raw", "P"), line("app_uvm_caching", "Q"), line("app_compiled", "P")]
+    summary = bench_cli.summary_line(spec, lines)
+    assert summary["same_plan"] is True and summary["variants_with_another_plan"] == ["app_uvm_caching"]
+    summary = bench_cli.summary_line(spec, [line("app", "P"), line("raw", "Q")])
+    assert summary["same_plan"] is False and summary["variants_with_another_plan"] == []
 
 
 def test_samples_per_s_counts_the_rows_each_step_trained():

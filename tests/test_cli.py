@@ -78,6 +78,12 @@ def test_configs_name_no_output_path_but_the_run_folder(config):
         (["--trainer.accumulate_grad_batches", "2"], "trainer.accumulate_grad_batches = 2: the embedding optimizer is fused"),
         (["--model.sparse_optimizer", "adam"], "model.sparse_optimizer: Adam has no CPU embedding kernel in FBGEMM"),
         (["--model.embedding_precision", "fp16"], "model.embedding_precision = fp16: FBGEMM's CPU embedding kernels round"),
+        (
+            ["--model.compile", "true", "--model.compile_mode", "reduce-overhead"],
+            "model.compile_mode = reduce-overhead replays the dense layers as CUDA graphs, which need a CUDA GPU (here: cpu)",
+        ),
+        (["--model.compile_mode", "max-autotune"], "model.compile_mode = max-autotune applies to compiled dense layers: set model.compile: true"),
+        (["--model.compile", "true", "--model.compile_mode", "fastest"], "model.compile_mode = 'fastest' is not a torch.compile mode"),
         (["--trainer.enable_checkpointing", "false", "--ckpt_path", "last"], "ckpt_path last: trainer.enable_checkpointing is false"),
     ],
 )

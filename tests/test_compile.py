@@ -10,7 +10,14 @@ import pytest
 import torch
 import torch._inductor.config
 
-from app.model.compile import check_compile_supported, compile_dense_layers, compiled_layer_names
+from app.model.compile import (
+    check_compile_mode,
+    check_compile_supported,
+    compile_dense_layers,
+    compile_modes,
+    compiled_layer_names,
+    records_cuda_graphs,
+)
 from app.model.dlrm import build_dlrm
 from test_cli import test_bad_settings_stop_before_any_worker_with_one_line as refused_before_launch
 
@@ -55,6 +62,44 @@ def test_on_gpus_without_triton_compile_is_refused_naming_the_setting():
         pytest.skip("this torch imports Triton: nothing to refuse")
     with pytest.raises(ValueError, match="model.compile = true: Inductor's GPU code needs Triton"):
         check_compile_supported("cuda")
+
+
+def test_the_compile_mode_reaches_torch_compile_for_every_dense_layer(monkeypatch):
+    modes = []
+    real_compile = torch.nn.Module.compile
+
+    def recording_compile(module, *args, **kwargs):
+        modes.append(kwargs.get("mode"))
+        return real_compile(module, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "compile", recording_compile)
+    model = build_dlrm(interaction="dcn", embedding_device="meta", **SMALL)
+    assert compile_dense_layers(model, "cuda", "reduce-overhead") == DENSE_LAYERS
+    assert modes == ["reduce-overhead"] * 3
+    assert compiled_layer_names(model) == DENSE_LAYERS
+
+
+@pytest.mark.parametrize(
+    ("mode", "cuda_graphs"),
+    [("default", False), ("reduce-overhead", True), ("max-autotune", True), ("max-autotune-no-cudagraphs", False)],
+)
+def test_the_modes_that_replay_cuda_graphs_are_refused_off_a_gpu(mode, cuda_graphs):
+    assert mode in compile_modes()
+    assert records_cuda_graphs(mode) is cuda_graphs
+    check_compile_mode(mode, compile=True)
+    if cuda_graphs:
+        with pytest.raises(ValueError, match=f"model.compile_mode = {mode} replays the dense layers as CUDA graphs, which need a CUDA GPU"):
+            check_compile_supported("cpu", mode)
+    else:
+        check_compile_supported("cpu", mode)
+
+
+def test_a_compile_mode_torch_lacks_or_set_without_compile_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"model.compile_mode = 'fast' is not a torch.compile mode of torch .*: default, "):
+        check_compile_mode("fast", compile=True)
+    with pytest.raises(ValueError, match="model.compile_mode = reduce-overhead applies to compiled dense layers: set model.compile: true"):
+        check_compile_mode("reduce-overhead", compile=False)
+    check_compile_mode("default", compile=False)
 
 
 def test_the_cli_refuses_compile_without_a_cpp_compiler_before_any_worker(sample_dir, capsys):

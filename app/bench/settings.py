@@ -12,6 +12,7 @@ from app.bench.data import RandomData
 from app.bench.dataset import DatasetInput
 from app.distributed.strategy import APPLIED_PRECISIONS
 from app.distributed.sharding import TableConstraint, validate_fused_optimizer, validate_sharding_request
+from app.model.compile import DEFAULT_MODE, check_compile_mode, check_compile_supported
 from app.model.dlrm import build_embedding_bag_collection, validate_dlrm_sizes
 from app.train.metrics import available_host_bytes
 from app.train.optimizers import fuse_sparse_optimizer
@@ -107,6 +108,7 @@ def check_can_run(spec: BenchSpec) -> None:
         spec.data.pooling_factors()  # raises for a malformed data.ids_per_lookup
     model = spec.model_args()
     validate_dlrm_sizes(model["interaction"], model["embedding_dim"], model["dense_arch_layer_sizes"], model["over_arch_layer_sizes"])
+    _check_compile("model.", model, spec.device_type)
     constraints = {name: TableConstraint(**c) if isinstance(c, dict) else c for name, c in (spec.strategy.get("table_constraints") or {}).items()}
     validate_sharding_request(spec.strategy.get("sharding_types"), constraints, spec.device_type)
     tables = build_embedding_bag_collection(model["embedding_dim"], rows, "meta")
@@ -121,11 +123,23 @@ def check_can_run(spec: BenchSpec) -> None:
                     f"model settings: {', '.join(spec.model)}"
                 )
         _check_precision(f"app_variants.{label}.{PRECISION_KEY}", overrides.get(PRECISION_KEY))
+        _check_compile(f"app_variants.{label}.", {**spec.model, **split_variant(overrides)[0]}, spec.device_type)
         for key in overrides.get(STRATEGY_KEY) or {}:
             if key not in spec.strategy:
                 raise ValueError(
                     f"app_variants.{label}.{STRATEGY_KEY}.{key} is not a strategy setting; strategy settings: {', '.join(spec.strategy)}"
                 )
+
+
+def _check_compile(prefix: str, model: dict[str, Any], device_type: str) -> None:
+    """The module's own compile checks (its mode, a compiler here, CUDA graphs on a GPU only), before any process
+    starts; ``prefix`` names where the settings came from (``app_variants.NAME.``)."""
+    try:
+        check_compile_mode(model.get("compile_mode", DEFAULT_MODE), bool(model.get("compile")))
+        if model.get("compile"):
+            check_compile_supported(device_type, model.get("compile_mode", DEFAULT_MODE))
+    except ValueError as error:
+        raise ValueError(f"{prefix}{str(error).removeprefix('model.')}") from None
 
 
 def _check_precision(setting: str, precision: str | None) -> None:

@@ -39,6 +39,8 @@ from torchrec.models.dlrm import InteractionArch
 SPARSE_CHILD = "sparse_arch"
 
 SETTING = "model.compile"
+MODE_SETTING = "model.compile_mode"
+DEFAULT_MODE = "default"
 
 
 def dense_layer_names(model: nn.Module) -> list[str]:
@@ -76,7 +78,44 @@ def use_pairwise_dot_interaction(model: nn.Module) -> bool:
     return True
 
 
-def compile_dense_layers(model: nn.Module, device_type: str) -> list[str]:
+def compile_modes() -> list[str]:
+    """``torch.compile``'s modes in this torch (``default``, ``reduce-overhead``, ``max-autotune``, ...)."""
+    from torch._inductor import list_mode_options
+
+    return list(list_mode_options())
+
+
+def records_cuda_graphs(mode: str) -> bool:
+    """Whether ``mode`` replays the compiled code as CUDA graphs (``reduce-overhead``, ``max-autotune``)."""
+    from torch._inductor import list_mode_options
+
+    return bool(list_mode_options(mode).get("triton.cudagraphs", False))
+
+
+def check_compile_mode(mode: str, compile: bool) -> None:
+    """Raises a ValueError naming ``model.compile_mode`` for a mode torch does not have, or one set without
+    ``model.compile`` (it would silently change nothing). The device is checked by ``check_compile_supported``."""
+    modes = compile_modes()
+    if mode not in modes:
+        raise ValueError(f"{MODE_SETTING} = {mode!r} is not a torch.compile mode of torch {torch.__version__}: {', '.join(modes)}")
+    if mode != DEFAULT_MODE and not compile:
+        raise ValueError(f"{MODE_SETTING} = {mode} applies to compiled dense layers: set {SETTING}: true, or leave {MODE_SETTING} unset")
+
+
+def mark_cuda_graph_step() -> None:
+    """Starts a new step of the CUDA graphs of dense layers compiled with a ``records_cuda_graphs`` mode.
+
+    The dense layers are three compiled children called one after the other in a step (bottom MLP,
+    interaction, top MLP; the sparse part runs eagerly between them). Left to its heuristic, torch's
+    CUDA-graph trees start a new step at every compiled call that has no backward pending: in evaluation
+    (no backward) the interaction's call would free the bottom MLP's outputs it reads. Once this is called,
+    torch starts steps only here (``torch.compiler.cudagraph_mark_step_begin``): once per training or
+    evaluation step, before the model's forward, so the three graphs of a step share one step.
+    """
+    torch.compiler.cudagraph_mark_step_begin()
+
+
+def compile_dense_layers(model: nn.Module, device_type: str, mode: str = "default") -> list[str]:
     """Compiles every dense child of ``model`` in place (compilation itself happens at its first call,
     once per mode: training, and evaluation under no_grad); returns their names. On CPU the dot
     interaction takes the pairwise form first (``PairwiseDotInteraction``); on GPUs it stays TorchRec's
@@ -94,7 +133,7 @@ def compile_dense_layers(model: nn.Module, device_type: str) -> list[str]:
     torch._dynamo.config.optimize_ddp = False
     names = dense_layer_names(model)
     for name in names:
-        model.get_submodule(name).compile()
+        model.get_submodule(name).compile(mode=mode)
     return names
 
 
@@ -103,11 +142,18 @@ def compiled_layer_names(model: nn.Module) -> list[str]:
     return [name for name, child in model.named_children() if getattr(child, "_compiled_call_impl", None) is not None]
 
 
-def check_compile_supported(device_type: str) -> None:
+def check_compile_supported(device_type: str, mode: str = DEFAULT_MODE) -> None:
     """Raises a ValueError naming ``model.compile`` where torch.compile cannot build code here: a Python
-    Dynamo does not support, no C++ compiler for Inductor's CPU code, no Triton for its GPU code.
+    Dynamo does not support, no C++ compiler for Inductor's CPU code, no Triton for its GPU code; and
+    naming ``model.compile_mode`` for CUDA graphs off a CUDA GPU.
     Decided before any worker starts: a failure at the first step would cost the whole launch."""
     from torch._dynamo.eval_frame import check_if_dynamo_supported
+
+    if device_type != "cuda" and records_cuda_graphs(mode):
+        raise ValueError(
+            f"{MODE_SETTING} = {mode} replays the dense layers as CUDA graphs, which need a CUDA GPU (here: "
+            f"{device_type}); use {DEFAULT_MODE} or max-autotune-no-cudagraphs"
+        )
 
     try:
         check_if_dynamo_supported()

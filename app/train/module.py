@@ -10,7 +10,15 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MetricCollection
 
 from app.data.batches import CriteoBatch
-from app.model.compile import FirstStepTimer, check_compile_supported, compile_dense_layers, compiled_layer_names
+from app.model.compile import (
+    FirstStepTimer,
+    check_compile_mode,
+    check_compile_supported,
+    compile_dense_layers,
+    compiled_layer_names,
+    mark_cuda_graph_step,
+    records_cuda_graphs,
+)
 from app.model.dlrm import EmbeddingPrecision, Interaction, build_dlrm, check_embedding_precision
 from app.model.tables import expand_table_sizes
 from app.train.log_steps import RunningMean, metrics_written_after_this_batch
@@ -107,6 +115,11 @@ class DLRMModule(LightningModule):
             first evaluation batch wait for the compiler (~10 s here, printed once). Off by default: on
             2 CPU processes it measured no faster than eager (docs/performance.md), and it has not been
             measured on a GPU. Checkpoints move between compiled and eager runs.
+        compile_mode: ``torch.compile``'s mode for the dense layers (with ``compile``): ``default``;
+            ``reduce-overhead`` replays each step's dense forward and backward as CUDA graphs, one launch
+            instead of one per kernel, for steps bound by the host's launches (GPUs only; not yet run on
+            a GPU, docs/performance.md); ``max-autotune`` (CUDA graphs too) and
+            ``max-autotune-no-cudagraphs`` also try kernel variants while compiling (minutes).
         embedding_precision: ``fp32`` or ``fp16`` weights of the embedding tables in FBGEMM's kernels
             (fp16: half the memory and half the lookup bytes, with stochastic rounding of the updates;
             GPUs only: FBGEMM's CPU kernels round fp16 updates to nearest, refused on CPU).
@@ -148,6 +161,7 @@ class DLRMModule(LightningModule):
         lr_decay_power: float = 2.0,
         lr_decay_end_factor: float = 0.0,
         compile: bool = False,
+        compile_mode: str = "default",
         embedding_precision: EmbeddingPrecision = "fp32",
         first_order: bool = False,
         second_order: bool = False,
@@ -160,6 +174,8 @@ class DLRMModule(LightningModule):
             dense_optimizer, dense_weight_decay, dense_weight_decay_mode,
         )  # fmt: skip
         check_pipeline(pipeline)
+        check_compile_mode(compile_mode, compile)
+        self._cuda_graphs = compile and records_cuda_graphs(compile_mode)
         self._pipelined: PipelinedTraining | None = None
         self._train_loss = RunningMean()
         self.lr_schedule = LRSchedule(
@@ -193,7 +209,15 @@ class DLRMModule(LightningModule):
 
     def forward(self, batch: CriteoBatch) -> torch.Tensor:
         """Click logits (B,) for a batch."""
-        return self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
+        logits = self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
+        # Under CUDA graphs the top MLP's output lives in memory its next replay overwrites: a caller that
+        # keeps the logits past the step (a callback, a prediction writer) must hold its own copy (B floats).
+        return logits.clone() if self._cuda_graphs else logits
+
+    def _start_step(self) -> None:
+        """Called before each step's forward: with CUDA graphs, one graph step per training or evaluation step."""
+        if self._cuda_graphs:
+            mark_cuda_graph_step()
 
     def check_before_launch(self, device_type: str, stage: str | None = None) -> None:
         """The module's settings that this machine cannot run, refused naming the setting: the CLI calls
@@ -203,13 +227,13 @@ class DLRMModule(LightningModule):
         if stage == "fit":  # the decay acts in training only: evaluating such a model on CPU is fine
             check_sparse_weight_decay_device(self.hparams.sparse_weight_decay, device_type)
         if self.hparams.compile:
-            check_compile_supported(device_type)
+            check_compile_supported(device_type, self.hparams.compile_mode)
 
     def setup(self, stage: str) -> None:
         device_type = self.trainer.strategy.root_device.type
         self.check_before_launch(device_type, stage)
         if self.hparams.compile and not compiled_layer_names(self.model):
-            compile_dense_layers(self.model, device_type)  # compiles at the first forward; the keys stay the same
+            compile_dense_layers(self.model, device_type, self.hparams.compile_mode)  # compiles at the first forward; the keys stay the same
         # Known only once the trainer exists: the device and world size decide what "auto" means. A pipelined step
         # receives Lightning's dataloader_iter (Lightning reads the signature of training_step).
         if stage == "fit" and self._resolved_pipeline() != "none":
@@ -254,6 +278,7 @@ class DLRMModule(LightningModule):
     def training_step(self, batch: CriteoBatch, batch_idx: int) -> torch.Tensor:
         if not self.lr_schedule.is_constant:
             self._hand_scheduled_rate_to_fused_tables()
+        self._start_step()
         loss = click_loss(self(batch), batch)
         self._log_training_step(loss, batch)
         return loss
@@ -273,6 +298,7 @@ class DLRMModule(LightningModule):
         """One batch through TorchRec's training pipeline (``model.pipeline``), which also steps the optimizers."""
         if self._pipelined is None:
             self._pipelined = PipelinedTraining(self._resolved_pipeline(), self, click_loss, self.hparams.semi_sync_start_step)
+        self._start_step()  # the pipeline's step runs one forward: this batch's
         loss, batch = self._pipelined.step(dataloader_iter)
         self._log_training_step(loss, batch)  # with the rates this step trained with, as in the plain loop
         step_lr_schedulers(self, "step")
@@ -332,6 +358,7 @@ class DLRMModule(LightningModule):
 
     def _evaluate(self, batch: CriteoBatch, metrics: MetricCollection) -> None:
         valid = batch.valid_rows  # a slice: no host sync
+        self._start_step()
         probabilities = torch.sigmoid(self(batch).float())[valid]  # every rank runs the sharded forward
         # A batch of padding only (a rank's share of the last eval step, app/data/partition.py) has no
         # row to count, and torchmetrics' accuracy cannot reshape an empty batch: leave it out.
@@ -342,6 +369,7 @@ class DLRMModule(LightningModule):
 
     def predict_step(self, batch: CriteoBatch, batch_idx: int) -> dict[str, torch.Tensor]:
         valid = batch.valid_rows
+        self._start_step()
         return {"row_ids": batch.row_ids[valid], "probabilities": torch.sigmoid(self(batch).float())[valid]}
 
     def configure_gradient_clipping(

@@ -1,5 +1,6 @@
-"""The speed levers of issue 17 on GPUs (docs/performance.md): compiled dense layers, fp16 tables,
-compressed all-to-all (two GPUs), each trained through ``python -m app fit`` against the reference run.
+"""The speed levers of issue 17 on GPUs (docs/performance.md): compiled dense layers (also replayed as
+CUDA graphs), fp16 tables, compressed all-to-all (two GPUs), each trained through ``python -m app fit``
+against the reference run.
 
 Tolerances: compile changes the order of float32 sums in the dense layers (~1e-6 relative per step,
 carried through 24 updates: 1e-4 on the probabilities, as for another sharding); fp16 tables keep 11
@@ -32,6 +33,22 @@ def test_compiled_dense_layers_train_to_the_eager_runs_probabilities(app_runs, r
     difference = max_abs_difference(run["probabilities"], reference["probabilities"])
     record_property("max_abs_probability_difference_vs_eager", difference)
     record_property("wall_s_compiled_vs_eager", [round(run["wall_s"], 1), round(reference["wall_s"], 1)])
+    np.testing.assert_allclose(run["probabilities"], reference["probabilities"], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("pipeline", ["sparse_dist", "none"])
+def test_dense_layers_replayed_as_cuda_graphs_train_to_the_eager_runs_probabilities(
+    app_runs, reference_args, reference, pipeline, record_property
+):
+    """``model.compile_mode: reduce-overhead`` through TorchRec's pipeline and Lightning's plain loop; the
+    reference validates twice an epoch, so evaluation (no backward, another batch size) replays too."""
+    args = with_settings(reference_args, model__compile="true", model__compile_mode="reduce-overhead", model__pipeline=pipeline)
+    (run,) = app_runs(f"cuda_graphs_{pipeline}", 1, args)
+    _trained(run)
+    assert [s[3] for s in run["steps"]] == [s[3] for s in reference["steps"]]
+    difference = max_abs_difference(run["probabilities"], reference["probabilities"])
+    record_property("max_abs_probability_difference_vs_eager", difference)
+    record_property("wall_s_cuda_graphs_vs_eager", [round(run["wall_s"], 1), round(reference["wall_s"], 1)])
     np.testing.assert_allclose(run["probabilities"], reference["probabilities"], rtol=0, atol=1e-4)
 
 
