@@ -26,29 +26,22 @@ def _trained(run: dict) -> None:
     assert np.abs(run["probabilities"] - 0.5).max() > 0.05  # training moved the model
 
 
-def test_compiled_dense_layers_train_to_the_eager_runs_probabilities(app_runs, reference_args, reference, record_property):
-    (run,) = app_runs("compiled", 1, with_settings(reference_args, model__compile="true"))
+@pytest.mark.parametrize(
+    ("mode", "pipeline"), [("default", "sparse_dist"), ("reduce-overhead", "sparse_dist"), ("reduce-overhead", "none")]
+)
+def test_compiled_dense_layers_train_to_the_eager_runs_probabilities(
+    app_runs, reference_args, reference, mode, pipeline, record_property
+):
+    """``model.compile``, and its ``reduce-overhead`` mode (CUDA graphs) through TorchRec's pipeline and
+    Lightning's plain loop; the reference validates twice an epoch, so evaluation (no backward, another
+    batch size) runs compiled and replays too."""
+    args = with_settings(reference_args, model__compile="true", model__compile_mode=mode, model__pipeline=pipeline)
+    (run,) = app_runs(f"compiled_{mode}_{pipeline}", 1, args)
     _trained(run)
     assert [s[3] for s in run["steps"]] == [s[3] for s in reference["steps"]]
     difference = max_abs_difference(run["probabilities"], reference["probabilities"])
     record_property("max_abs_probability_difference_vs_eager", difference)
     record_property("wall_s_compiled_vs_eager", [round(run["wall_s"], 1), round(reference["wall_s"], 1)])
-    np.testing.assert_allclose(run["probabilities"], reference["probabilities"], rtol=0, atol=1e-4)
-
-
-@pytest.mark.parametrize("pipeline", ["sparse_dist", "none"])
-def test_dense_layers_replayed_as_cuda_graphs_train_to_the_eager_runs_probabilities(
-    app_runs, reference_args, reference, pipeline, record_property
-):
-    """``model.compile_mode: reduce-overhead`` through TorchRec's pipeline and Lightning's plain loop; the
-    reference validates twice an epoch, so evaluation (no backward, another batch size) replays too."""
-    args = with_settings(reference_args, model__compile="true", model__compile_mode="reduce-overhead", model__pipeline=pipeline)
-    (run,) = app_runs(f"cuda_graphs_{pipeline}", 1, args)
-    _trained(run)
-    assert [s[3] for s in run["steps"]] == [s[3] for s in reference["steps"]]
-    difference = max_abs_difference(run["probabilities"], reference["probabilities"])
-    record_property("max_abs_probability_difference_vs_eager", difference)
-    record_property("wall_s_cuda_graphs_vs_eager", [round(run["wall_s"], 1), round(reference["wall_s"], 1)])
     np.testing.assert_allclose(run["probabilities"], reference["probabilities"], rtol=0, atol=1e-4)
 
 
