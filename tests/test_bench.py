@@ -80,6 +80,10 @@ def test_every_preset_parses_and_can_run_here(preset):
             "app_variants.graphs.compile_mode = reduce-overhead replays the dense layers as CUDA graphs, which need a CUDA GPU",
         ),
         (["--model.compile_mode", "max-autotune"], "model.compile_mode = max-autotune applies to compiled dense layers"),
+        (
+            ["--app_variants", '{"uvm": {"strategy": {"table_constraints": {"t_cat_0": {"compute_kernels": ["fused_uvm_caching"]}}}}}'],
+            "app_variants.uvm.strategy.table_constraints.t_cat_0.compute_kernels: 'fused_uvm_caching' is not available on cpu",
+        ),
         (["--preset", "no_such_preset"], "--preset 'no_such_preset'"),
     ],
 )

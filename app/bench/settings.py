@@ -109,8 +109,7 @@ def check_can_run(spec: BenchSpec) -> None:
     model = spec.model_args()
     validate_dlrm_sizes(model["interaction"], model["embedding_dim"], model["dense_arch_layer_sizes"], model["over_arch_layer_sizes"])
     _check_compile("model.", model, spec.device_type)
-    constraints = {name: TableConstraint(**c) if isinstance(c, dict) else c for name, c in (spec.strategy.get("table_constraints") or {}).items()}
-    validate_sharding_request(spec.strategy.get("sharding_types"), constraints, spec.device_type)
+    _check_sharding_request(spec.strategy, spec.device_type)
     tables = build_embedding_bag_collection(model["embedding_dim"], rows, "meta")
     fuse_sparse_optimizer(tables.parameters(), model["sparse_optimizer"], model["sparse_learning_rate"])
     validate_fused_optimizer(tables, spec.device_type)
@@ -124,11 +123,22 @@ def check_can_run(spec: BenchSpec) -> None:
                 )
         _check_precision(f"app_variants.{label}.{PRECISION_KEY}", overrides.get(PRECISION_KEY))
         _check_compile(f"app_variants.{label}.", {**spec.model, **split_variant(overrides)[0]}, spec.device_type)
+        if variant_strategy := split_variant(overrides)[1]:
+            try:
+                _check_sharding_request({**spec.strategy, **variant_strategy}, spec.device_type)
+            except ValueError as error:
+                raise ValueError(f"app_variants.{label}.{error}") from None
         for key in overrides.get(STRATEGY_KEY) or {}:
             if key not in spec.strategy:
                 raise ValueError(
                     f"app_variants.{label}.{STRATEGY_KEY}.{key} is not a strategy setting; strategy settings: {', '.join(spec.strategy)}"
                 )
+
+
+def _check_sharding_request(strategy: dict[str, Any], device_type: str) -> None:
+    """The strategy's sharding types and table constraints, refused naming the setting (``strategy.*``)."""
+    constraints = {name: TableConstraint(**c) if isinstance(c, dict) else c for name, c in (strategy.get("table_constraints") or {}).items()}
+    validate_sharding_request(strategy.get("sharding_types"), constraints, device_type)
 
 
 def _check_compile(prefix: str, model: dict[str, Any], device_type: str) -> None:
