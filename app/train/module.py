@@ -113,8 +113,9 @@ class DLRMModule(LightningModule):
         compile: compile the dense layers (bottom MLP, interaction, top MLP) with ``torch.compile``;
             the embedding part stays eager (app/model/compile.py). The first training step and the
             first evaluation batch wait for the compiler (~10 s here, printed once). Off by default: on
-            2 CPU processes it measured no faster than eager (docs/performance.md), and it has not been
-            measured on a GPU. Checkpoints move between compiled and eager runs.
+            2 CPU processes it measured no faster than eager, and on one H200 it cut the dense kernels'
+            time but not the step's, which the host's launches bound (docs/performance.md).
+            Checkpoints move between compiled and eager runs.
         compile_mode: ``torch.compile``'s mode for the dense layers (with ``compile``): ``default``;
             ``reduce-overhead`` replays each step's dense forward and backward as CUDA graphs, one launch
             instead of one per kernel, for steps bound by the host's launches (GPUs only; not yet run on
