@@ -64,6 +64,20 @@ def test_on_gpus_without_triton_compile_is_refused_naming_the_setting():
         check_compile_supported("cuda")
 
 
+def test_dynamo_traces_every_compiled_dense_layer_instead_of_skipping_it():
+    # Dynamo skips the frame of a module that is a torch builtin (a bare nn.Sequential compiled with
+    # nn.Module.compile runs eagerly); TorchRec's dense modules are not builtins and must each give a graph.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = build_dlrm(interaction="dot", embedding_device="meta", **SMALL)
+    compile_dense_layers(model, "cpu")
+    dense = model.dense_arch(torch.randn(4, 13))
+    model.over_arch(model.inter_arch(dense, torch.randn(4, 26, 8))).sum().backward()
+    assert counters["stats"]["unique_graphs"] >= len(DENSE_LAYERS)
+
+
 def test_the_compile_mode_reaches_torch_compile_for_every_dense_layer(monkeypatch):
     modes = []
     real_compile = torch.nn.Module.compile
