@@ -122,8 +122,9 @@ def check_can_run(spec: BenchSpec) -> None:
                     f"model settings: {', '.join(spec.model)}"
                 )
         _check_precision(f"app_variants.{label}.{PRECISION_KEY}", overrides.get(PRECISION_KEY))
-        _check_compile(f"app_variants.{label}.", {**spec.model, **split_variant(overrides)[0]}, spec.device_type)
-        if variant_strategy := split_variant(overrides)[1]:
+        variant_model, variant_strategy = split_variant(overrides)
+        _check_compile(f"app_variants.{label}.", {**spec.model, **variant_model}, spec.device_type)
+        if variant_strategy:
             try:
                 _check_sharding_request({**spec.strategy, **variant_strategy}, spec.device_type)
             except ValueError as error:

@@ -109,13 +109,13 @@ def mark_cuda_graph_step() -> None:
     interaction, top MLP; the sparse part runs eagerly between them). Left to its heuristic, torch's
     CUDA-graph trees start a new step at every compiled call that has no backward pending: in evaluation
     (no backward) the interaction's call would free the bottom MLP's outputs it reads. Once this is called,
-    torch starts steps only here (``torch.compiler.cudagraph_mark_step_begin``): once per training or
-    evaluation step, before the model's forward, so the three graphs of a step share one step.
+    torch starts steps only here (``torch.compiler.cudagraph_mark_step_begin``): the LightningModule's forward
+    calls it, once per training or evaluation step, so the three graphs of a step share one step.
     """
     torch.compiler.cudagraph_mark_step_begin()
 
 
-def compile_dense_layers(model: nn.Module, device_type: str, mode: str = "default") -> list[str]:
+def compile_dense_layers(model: nn.Module, device_type: str, mode: str = DEFAULT_MODE) -> list[str]:
     """Compiles every dense child of ``model`` in place (compilation itself happens at its first call,
     once per mode: training, and evaluation under no_grad); returns their names. On CPU the dot
     interaction takes the pairwise form first (``PairwiseDotInteraction``); on GPUs it stays TorchRec's

@@ -210,15 +210,14 @@ class DLRMModule(LightningModule):
 
     def forward(self, batch: CriteoBatch) -> torch.Tensor:
         """Click logits (B,) for a batch."""
+        if self._cuda_graphs:
+            # Every step runs this forward once (the plain loop, TorchRec's pipeline through the DMP, evaluation
+            # and predict): one CUDA-graph step per training or evaluation step.
+            mark_cuda_graph_step()
         logits = self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
         # Under CUDA graphs the top MLP's output lives in memory its next replay overwrites: a caller that
         # keeps the logits past the step (a callback, a prediction writer) must hold its own copy (B floats).
         return logits.clone() if self._cuda_graphs else logits
-
-    def _start_step(self) -> None:
-        """Called before each step's forward: with CUDA graphs, one graph step per training or evaluation step."""
-        if self._cuda_graphs:
-            mark_cuda_graph_step()
 
     def check_before_launch(self, device_type: str, stage: str | None = None) -> None:
         """The module's settings that this machine cannot run, refused naming the setting: the CLI calls
@@ -279,7 +278,6 @@ class DLRMModule(LightningModule):
     def training_step(self, batch: CriteoBatch, batch_idx: int) -> torch.Tensor:
         if not self.lr_schedule.is_constant:
             self._hand_scheduled_rate_to_fused_tables()
-        self._start_step()
         loss = click_loss(self(batch), batch)
         self._log_training_step(loss, batch)
         return loss
@@ -299,7 +297,6 @@ class DLRMModule(LightningModule):
         """One batch through TorchRec's training pipeline (``model.pipeline``), which also steps the optimizers."""
         if self._pipelined is None:
             self._pipelined = PipelinedTraining(self._resolved_pipeline(), self, click_loss, self.hparams.semi_sync_start_step)
-        self._start_step()  # the pipeline's step runs one forward: this batch's
         loss, batch = self._pipelined.step(dataloader_iter)
         self._log_training_step(loss, batch)  # with the rates this step trained with, as in the plain loop
         step_lr_schedulers(self, "step")
@@ -359,7 +356,6 @@ class DLRMModule(LightningModule):
 
     def _evaluate(self, batch: CriteoBatch, metrics: MetricCollection) -> None:
         valid = batch.valid_rows  # a slice: no host sync
-        self._start_step()
         probabilities = torch.sigmoid(self(batch).float())[valid]  # every rank runs the sharded forward
         # A batch of padding only (a rank's share of the last eval step, app/data/partition.py) has no
         # row to count, and torchmetrics' accuracy cannot reshape an empty batch: leave it out.
@@ -370,7 +366,6 @@ class DLRMModule(LightningModule):
 
     def predict_step(self, batch: CriteoBatch, batch_idx: int) -> dict[str, torch.Tensor]:
         valid = batch.valid_rows
-        self._start_step()
         return {"row_ids": batch.row_ids[valid], "probabilities": torch.sigmoid(self(batch).float())[valid]}
 
     def configure_gradient_clipping(
