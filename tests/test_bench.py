@@ -187,6 +187,17 @@ def test_multi_hot_days_give_their_bag_sizes_as_pooling_factors(tmp_path):
     assert dataset.batch_bytes() == sum(t.numel() * t.element_size() for t in tensors)  # what a batch holds
 
 
+def test_a_variants_table_constraints_reach_the_planner(tmp_path):
+    # The bench reads a variant's strategy settings as JSON: each table constraint must reach the
+    # strategy as the TableConstraint it takes (a plain dict failed inside the workers).
+    variant = '{"cw": {"strategy": {"table_constraints": {"t_cat_0": {"sharding_types": ["column_wise"]}}}}}'
+    lines = main([*TINY, "--run.sides", "[app]", "--run.output_dir", str(tmp_path), "--app_variants", variant])
+    plans = {line["run"]: line["plan"] for line in lines[:2]}
+    assert [row.split()[:2] for row in plans["app"].splitlines() if row.startswith("t_cat_0 ")] == [["t_cat_0", "table_wise"]]
+    assert [row.split()[:2] for row in plans["cw"].splitlines() if row.startswith("t_cat_0 ")] == [["t_cat_0", "column_wise"]]
+    assert lines[2]["variants_with_another_plan"] == ["cw"]
+
+
 def test_same_plan_compares_the_default_app_run_with_the_plain_loop_and_names_variants_with_their_own():
     spec = bench_cli.spec_from(bench_cli.build_parser().parse_args(bench_cli.expand_presets(["--preset", "demo"])))
 

@@ -138,8 +138,17 @@ def check_can_run(spec: BenchSpec) -> None:
 
 def _check_sharding_request(strategy: dict[str, Any], device_type: str) -> None:
     """The strategy's sharding types and table constraints, refused naming the setting (``strategy.*``)."""
-    constraints = {name: TableConstraint(**c) if isinstance(c, dict) else c for name, c in (strategy.get("table_constraints") or {}).items()}
-    validate_sharding_request(strategy.get("sharding_types"), constraints, device_type)
+    validate_sharding_request(strategy.get("sharding_types"), typed_strategy(strategy).get("table_constraints") or {}, device_type)
+
+
+def typed_strategy(strategy: dict[str, Any]) -> dict[str, Any]:
+    """The strategy settings with each table constraint as the strategy takes it (a ``TableConstraint``): the
+    bench reads them as JSON, where the CLI has jsonargparse build them from the strategy's signature."""
+    constraints = strategy.get("table_constraints")
+    if not constraints:
+        return dict(strategy)
+    typed = {name: TableConstraint(**c) if isinstance(c, dict) else c for name, c in constraints.items()}
+    return {**strategy, "table_constraints": typed}
 
 
 def _check_compile(prefix: str, model: dict[str, Any], device_type: str) -> None:
