@@ -23,6 +23,7 @@ from app.model.dlrm import EmbeddingPrecision, Interaction, build_dlrm, check_em
 from app.model.tables import expand_table_sizes
 from app.train.log_steps import RunningMean, metrics_written_after_this_batch
 from app.train.lr_schedule import LRSchedule, lr_scheduler_config, restore_scheduled_rates, step_lr_schedulers
+from app.train.fused_step_count import FusedStepCount
 from app.train.host_group import host_process_group
 from app.train.metrics import (
     EvalMetrics,
@@ -200,6 +201,7 @@ class DLRMModule(LightningModule):
             second_order=second_order,
         )
         self._first_compiled_step = FirstStepTimer()
+        self._fused_step_count = FusedStepCount()
         # Set before sharding: the sharder reads it to build the update into the embedding kernels.
         fuse_sparse_optimizer(
             self.model.sparse_arch.parameters(), sparse_optimizer, sparse_learning_rate,
@@ -327,6 +329,10 @@ class DLRMModule(LightningModule):
     def on_validation_start(self) -> None:
         if self._pipelined is not None:
             self._pipelined.pause()  # evaluation must see its own batches through the model's own forward
+        self._fused_step_count.hold(self)  # evaluation must not advance Adam's bias correction (app/train/fused_step_count.py)
+
+    def on_validation_end(self) -> None:
+        self._fused_step_count.put_back()
 
     def on_train_end(self) -> None:
         if self._pipelined is not None:
