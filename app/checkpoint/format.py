@@ -399,10 +399,10 @@ def restore_fused_optimizer_step(checkpoint_dir: str | os.PathLike, optimizers: 
     correction over at step 1. TorchRec offers the setter, not a getter: ``set_optimizer_step`` on its
     keyed optimizers reaches every kernel. The count set is Lightning's ``global_step``, the number
     of training updates (one per batch; ``trainer.accumulate_grad_batches`` other than 1 is refused).
-    FBGEMM itself advances ``iter`` at every forward of the kernel, evaluation batches included, so
-    an uninterrupted run's count runs ahead of its training steps by the evaluation batches; the
-    restored count leaves those out. FBGEMM copies ``iter`` into the count it computes with at the
-    first forward after construction, which is the first forward after a resume.
+    FBGEMM itself advances ``iter`` at every forward of the kernel, evaluation batches included; the
+    module puts the count back after each validation (app/train/fused_step_count.py), so it is the
+    training steps in the run that wrote the checkpoint too. FBGEMM copies ``iter`` into the count
+    it computes with at the first forward after construction, which is the first forward after a resume.
     """
     if not optimizers:
         return
