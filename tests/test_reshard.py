@@ -29,7 +29,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 
 from app.checkpoint.reshard import (
@@ -43,6 +42,7 @@ from app.checkpoint.reshard import (
 )
 from app.data.dataset import CriteoBatches
 from app.data.loader import ResumableBatchLoader
+from app.train.fused_step_count import training_kernels
 from app.data.tsv import CriteoArrays
 from reshard_runs import SPLIT_TABLE, WRITER_PLAN, eval_args, fit_with_checkpoints, plan_args, table_key
 from multiprocess import run_on_ranks
@@ -283,9 +283,7 @@ def test_adam_state_between_data_parallel_and_a_fused_sharding_is_refused_naming
 
 def _shards_predictions_and_kernel_steps(cli) -> dict:
     """shards_and_predictions, plus the step count (``iter``) of every FBGEMM kernel on the rank."""
-    collection = cli.trainer.lightning_module.model.sparse_arch.embedding_bag_collection
-    kernels = [m for lookup in collection._lookups for m in lookup.modules() if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
-    return {**shards_and_predictions(cli), "kernel_steps": [int(kernel.iter) for kernel in kernels]}
+    return {**shards_and_predictions(cli), "kernel_steps": [int(k.iter) for k in training_kernels(cli.trainer.lightning_module)]}
 
 
 def test_a_plan_saved_with_gpu_placements_resumes_on_cpu_and_the_kernels_continue_the_step_count(checkpoint_writer, sample, tmp_path):
@@ -309,10 +307,11 @@ def test_a_plan_saved_with_gpu_placements_resumes_on_cpu_and_the_kernels_continu
     assert [r["shards"] for r in ranks][0] == checkpoint_writer["result"]["shards"]
     np.testing.assert_allclose(ranks[0]["probabilities"], checkpoint_writer["result"]["probabilities"], rtol=0, atol=1e-6)
     # Every fused kernel's step count (FBGEMM's Adam corrects its bias by it) starts from the saved
-    # global_step, 8, and FBGEMM adds one per forward: the 13 of this run (8 training steps, then the
-    # validation batches and the inspection's prediction). Not restored, it would read 13.
+    # global_step, 8, and FBGEMM adds one per forward: 8 training steps, then the inspection's
+    # prediction; the validation batches between are put back (app/train/fused_step_count.py). Not
+    # restored, it would read 9; with the validation batches counted, 21.
     assert ranks[0]["global_step"] == 16
-    assert ranks[0]["kernel_steps"] and set(ranks[0]["kernel_steps"]) == {8 + 13}
+    assert ranks[0]["kernel_steps"] and set(ranks[0]["kernel_steps"]) == {8 + 8 + 1}
     plan = json.loads((tmp_path / "sharding_plan.json").read_text())["plan"]
     placements = {s["placement"] for p in plan["modules"].values() for q in p.values() for s in q["shards"] or []}
     assert placements == {"rank:0/cpu", "rank:1/cpu"}  # the run's own devices in its plan report
