@@ -260,17 +260,20 @@ def test_random_batches_are_pinned_for_a_gpu_run_only():
     assert not any(batch.dense_features.is_pinned() for batch in pool)
 
 
-def _plan(rows_per_rank: tuple[int, int]):
-    """t_a (100 x 8) split row-wise 60/40 over ranks 0 and 1; t_b (50 x 8) replicated (data-parallel)."""
+def _plan(rows_per_rank: tuple[int, int], kernel: str = "fused", cache_load_factor: float | None = None):
+    """t_a (100 x 8) split row-wise 60/40 over ranks 0 and 1 with ``kernel``; t_b (50 x 8) replicated (data-parallel)."""
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
-    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
+    from torchrec.distributed.types import CacheParams, EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
 
     rank0_rows, rank1_rows = rows_per_rank
     row_wise = EnumerableShardingSpec([
         ShardMetadata([0, 0], [rank0_rows, 8], "rank:0/cpu"), ShardMetadata([rank0_rows, 0], [rank1_rows, 8], "rank:1/cpu"),
     ])  # fmt: skip
     return ShardingPlan({"sparse": EmbeddingModuleShardingPlan({
-        "t_a": ParameterSharding(sharding_type="row_wise", compute_kernel="fused", ranks=[0, 1], sharding_spec=row_wise),
+        "t_a": ParameterSharding(
+            sharding_type="row_wise", compute_kernel=kernel, ranks=[0, 1], sharding_spec=row_wise,
+            cache_params=None if cache_load_factor is None else CacheParams(load_factor=cache_load_factor),
+        ),
         "t_b": ParameterSharding(sharding_type="data_parallel", compute_kernel="dense", ranks=[0, 1], sharding_spec=None),
     })})  # fmt: skip
 
@@ -291,6 +294,30 @@ def test_embedding_bytes_per_step_count_each_looked_up_row_and_its_state_from_th
     # 7,360 bytes in 1 microsecond of kernels on a 3,350 GB/s device: 7.36e9 / 3.35e12 of the bandwidth.
     assert hbm_bandwidth_share(7360, 1e-3, 3350.0) == pytest.approx(7.36e9 / 3.35e12)
     assert hbm_bandwidth_share(7360, 0.0, 3350.0) is None  # no kernel time recorded: no figure
+
+
+def test_the_memory_a_rank_must_hold_counts_a_uvm_tables_hbm_cache_not_its_rows():
+    from app.bench.measure import expected_memory_bytes
+
+    shapes = {"t_a": (100, 8), "t_b": (50, 8)}
+
+    def tables_only(plan, optimizer: str) -> int:
+        return expected_memory_bytes(plan, 0, shapes, optimizer, 0, "sgd", 0)
+
+    # Rank 0 holds 60 rows of t_a (8 float32 = 32 bytes each) and t_b whole, twice (with its gradient);
+    # row-wise Adagrad adds a float per row, Adam two floats per element.
+    replicated_rwa, replicated_adam = 2 * 50 * 32 + 50 * 4, 2 * 50 * 32 * 3
+    assert tables_only(_plan((60, 40)), "row_wise_adagrad") == 60 * 32 + 60 * 4 + replicated_rwa == 5560
+    assert tables_only(_plan((60, 40)), "adam") == 60 * 32 * 3 + replicated_adam
+    # UVM caching keeps the rows (and per-element state) in host memory; in HBM: the cache, a load
+    # factor of the rows, each slot with its row and 16 bytes of cache state, an int32 per row, and the
+    # row-wise state.
+    cached = _plan((60, 40), "fused_uvm_caching", 0.5)
+    assert tables_only(cached, "row_wise_adagrad") == 30 * (32 + 16) + 60 * 4 + 60 * 4 + replicated_rwa == 5320
+    assert tables_only(cached, "adam") == 30 * (32 + 16) + 60 * 4 + replicated_adam
+    default_cache = _plan((60, 40), "fused_uvm_caching")  # TorchRec's and FBGEMM's load factor, 0.2
+    assert tables_only(default_cache, "row_wise_adagrad") == 12 * (32 + 16) + 60 * 4 + 60 * 4 + replicated_rwa
+    assert tables_only(_plan((60, 40), "fused_uvm"), "row_wise_adagrad") == 60 * 4 + replicated_rwa  # no cache
 
 
 def test_the_phase_table_of_a_gpu_run_keeps_host_and_device_time_apart():

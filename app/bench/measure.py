@@ -22,10 +22,12 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
-from torchrec.distributed.types import ShardingPlan
+from torchrec.distributed.planner.constants import UVM_CACHING_RATIO
+from torchrec.distributed.types import ParameterSharding, ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from app.bench.phases import StepProfiler
+from app.distributed.sharding import UVM_CACHING_KERNEL
 from app.model.dlrm import NUM_DENSE_FEATURES, build_dlrm, build_dlrm_arguments
 
 # Optimizer state per table element, as a multiple of the table itself (row-wise Adagrad keeps one
@@ -125,31 +127,49 @@ def expected_memory_bytes(
     global_batch_size: int = 0,
 ) -> int:
     """What rank ``rank`` must hold: its table shards and their optimizer state (a full copy of a
-    replicated table, with its gradient), the dense model with its gradients, DDP's gradient buckets
+    replicated table, with its gradient; for a table in host memory, what FBGEMM keeps in HBM), the dense model with its gradients, DDP's gradient buckets
     and optimizer state, a few batches, what a step holds besides (``step_bytes``: activations and
     their gradients, see autograd_working_set_bytes), the pooled lookups its shards compute for the
     whole global batch and their gradients (the all-to-all's send and receive buffers), and the pages
     of memory-mapped data files it reads (resident memory counts them)."""
-    table_elements = row_count = sharded_columns = 0
+    table_bytes = sharded_columns = 0
     for module_plan in plan.plan.values():
         for table, sharding in module_plan.items():  # type: ignore[union-attr]
             rows, cols = table_shapes[table]
-            if sharding.sharding_spec is None:  # replicated on every rank, with its gradient
-                table_elements += 2 * rows * cols
-                row_count += rows
+            if sharding.sharding_spec is None:  # replicated on every rank (a dense kernel), with its gradient
+                state = _STATE_PER_ELEMENT[sparse_optimizer]
+                table_bytes += 2 * rows * cols * _FLOAT32_BYTES * (1 + state) + rows * _row_state_bytes(sparse_optimizer)
                 continue
             for shard in sharding.sharding_spec.shards:
                 if shard.placement.rank() == rank:
                     rows, cols = shard.shard_sizes
-                    table_elements += rows * cols
-                    row_count += rows
+                    table_bytes += _shard_bytes(rows, cols, sharding, sparse_optimizer)
                     sharded_columns += cols
-    table_bytes = table_elements * _FLOAT32_BYTES * (1 + _STATE_PER_ELEMENT[sparse_optimizer])
-    if sparse_optimizer == "row_wise_adagrad":
-        table_bytes += row_count * _FLOAT32_BYTES
     dense_bytes = dense_parameters * _FLOAT32_BYTES * (3 + _STATE_PER_ELEMENT[dense_optimizer])
     lookup_bytes = 2 * global_batch_size * sharded_columns * _FLOAT32_BYTES
-    return table_bytes + dense_bytes + 3 * batch_bytes + step_bytes + lookup_bytes + mapped_data_bytes
+    return round(table_bytes) + dense_bytes + 3 * batch_bytes + step_bytes + lookup_bytes + mapped_data_bytes
+
+
+def _row_state_bytes(sparse_optimizer: str) -> int:
+    return _FLOAT32_BYTES if sparse_optimizer == "row_wise_adagrad" else 0
+
+
+def _shard_bytes(rows: int, cols: int, sharding: ParameterSharding, sparse_optimizer: str) -> float:
+    """A table shard's weights and optimizer state in the memory the bench compares (HBM on GPUs).
+
+    FBGEMM's UVM kernels keep the weights, and state kept per element, in host memory, and the
+    row-wise state in HBM (``construct_split_state``); ``fused_uvm_caching`` adds its HBM cache: a load
+    factor of the rows, each slot with the row and two int64 of cache state (LRU), and an int32 per
+    row mapping it to its table.
+    """
+    state_bytes = rows * _row_state_bytes(sparse_optimizer)
+    if sharding.compute_kernel == UVM_CACHING_KERNEL:
+        cache = sharding.cache_params
+        load_factor = cache.load_factor if cache is not None and cache.load_factor else UVM_CACHING_RATIO
+        return load_factor * rows * (cols * _FLOAT32_BYTES + 16) + rows * 4 + state_bytes
+    if "uvm" in sharding.compute_kernel:  # fused_uvm: no cache (as host_memory_tables reads a plan)
+        return state_bytes
+    return rows * cols * _FLOAT32_BYTES * (1 + _STATE_PER_ELEMENT[sparse_optimizer]) + state_bytes
 
 
 def embedding_bytes_per_step(
