@@ -25,6 +25,13 @@ import torch.multiprocessing as mp
 
 Inspect = Callable[[Any], dict[str, Any]]
 
+# The ranks are forked from multiprocessing's fork server, which imports the app once per test process:
+# a spawned rank spent about 4 s of CPU importing torch, Lightning and TorchRec before its first line,
+# a large share of `make test` on 2 cores. The server is a fresh single-threaded process that has
+# imported modules and done nothing else (no thread, no CUDA), so forking it is safe; each rank then
+# takes the test's environment (``cli_worker``), as a spawned one inherits it.
+mp.set_forkserver_preload(["app.cli"])
+
 # configs/demo.yaml's training settings before its quality settings (docs/quality.md), for tests built on
 # the demo whose exact values, steps or validation counts were worked out with them: row-wise Adagrad at
 # 0.05, no per-id bias or pairwise term, no frequency threshold, one validation per epoch, no early
@@ -63,10 +70,17 @@ def run_folder(parent: Path, name: str) -> Path:
     return folder
 
 
-def cli_worker(rank: int, world_size: int, port: int, args: list[str], inspect: Inspect | None, out_dir: str) -> None:
-    """One rank of `python -m app <args>` (a spawned process) joining the store at ``port``
+def cli_worker(
+    rank: int, world_size: int, port: int, args: list[str], inspect: Inspect | None, out_dir: str,
+    environment: dict[str, str] | None = None,
+) -> None:
+    """One rank of `python -m app <args>` (a new process) joining the store at ``port``
     (``rendezvous_port``): its inspect result, or its error, pickled into out_dir for the test. Shared
-    with tests/gpu/gpu_runs.py."""
+    with tests/gpu/gpu_runs.py. ``environment``: the test's environment, for a process forked from the
+    fork server, which would otherwise have the server's."""
+    if environment is not None:
+        os.environ.clear()
+        os.environ.update(environment)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0", APP_TRACEBACK="1",
         **AGENT_STORE,
@@ -86,10 +100,16 @@ def run_on_ranks(world_size: int, args: list[str], tmp_path: Path, inspect: Insp
     """Runs ``python -m app <args>`` on ``world_size`` spawned processes; returns each rank's inspect result."""
     out_dir = run_folder(tmp_path, f"ranks{world_size}")
     with rendezvous_port() as port:
-        mp.start_processes(
-            cli_worker, args=(world_size, port, args, inspect, str(out_dir)), nprocs=world_size, start_method="spawn"
-        )
+        start_cli_ranks(world_size, port, args, inspect, out_dir)
     results = [pickle.loads((out_dir / f"rank{rank}.pkl").read_bytes()) for rank in range(world_size)]
     for rank, result in enumerate(results):
         assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
     return results
+
+
+def start_cli_ranks(world_size: int, port: int, args: list[str], inspect: Inspect | None, out_dir: Path) -> None:
+    """Runs ``cli_worker`` on ``world_size`` processes forked from the fork server (see above) until all end."""
+    mp.start_processes(
+        cli_worker, args=(world_size, port, args, inspect, str(out_dir), dict(os.environ)), nprocs=world_size,
+        start_method="forkserver",
+    )

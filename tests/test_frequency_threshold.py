@@ -20,7 +20,7 @@ from app.checkpoint.export import export_checkpoint
 from app.data.datamodule import CriteoDataModule
 from app.data.preprocess import RAW_IDS, preprocess
 from app.data.tsv import read_tsv
-from multiprocess import AGENT_STORE, cli_worker, rendezvous_port, run_folder
+from multiprocess import AGENT_STORE, rendezvous_port, run_folder, start_cli_ranks
 
 THRESHOLD = 2
 
@@ -159,10 +159,10 @@ def cli_args(subcommand: str, root: Path, data: dict[str, Path], *extra: str) ->
 
 
 def run_ranks(world_size: int, args: list[str], folder: Path, inspect=None) -> list[dict]:
-    """``python -m app <args>`` on spawned processes (tests/multiprocess.py); each rank's result or error."""
+    """``python -m app <args>`` on new processes (tests/multiprocess.py); each rank's result or error."""
     out = run_folder(folder, "ranks")
     with rendezvous_port() as port:
-        mp.start_processes(cli_worker, args=(world_size, port, args, inspect, str(out)), nprocs=world_size, start_method="spawn")
+        start_cli_ranks(world_size, port, args, inspect, out)
     return [pickle.loads((out / f"rank{rank}.pkl").read_bytes()) for rank in range(world_size)]
 
 

@@ -15,7 +15,6 @@ import pickle
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
@@ -32,7 +31,7 @@ from app.distributed.sharding import default_sharders
 from app.model.dlrm import build_embedding_bag_collection
 from app.train.module import DLRMModule
 from app.train.optimizers import build_optimizer, check_weight_decay, fuse_sparse_optimizer
-from multiprocess import cli_worker, rendezvous_port
+from multiprocess import rendezvous_port, start_cli_ranks
 from test_cli import test_bad_settings_stop_before_any_worker_with_one_line as refused_before_launch
 from test_lr_schedule import fbgemm_kernels
 from test_sharding import fit_args
@@ -279,7 +278,7 @@ def test_sparse_decay_on_cpu_is_refused_before_the_first_step_and_evaluation_sta
     # A real 1-process fit: refused in setup, before the first step, with one line naming the setting.
     args = fit_args(sample, tmp_path, "table_wise", 64) + ["--model.sparse_weight_decay", "1e-5"]
     with rendezvous_port() as port:
-        mp.start_processes(cli_worker, args=(1, port, args, None, str(tmp_path)), nprocs=1, start_method="spawn")
+        start_cli_ranks(1, port, args, None, tmp_path)
     error = pickle.loads((tmp_path / "rank0.pkl").read_bytes())["error"]
     assert error.startswith(
         "ValueError: model.sparse_weight_decay = 1e-05: FBGEMM's CPU embedding kernels drop the decay "
