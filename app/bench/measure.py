@@ -127,8 +127,8 @@ def expected_memory_bytes(
     global_batch_size: int = 0,
 ) -> int:
     """What rank ``rank`` must hold: its table shards and their optimizer state (a full copy of a
-    replicated table, with its gradient; for a table in host memory, what FBGEMM keeps in HBM), the dense model with its gradients, DDP's gradient buckets
-    and optimizer state, a few batches, what a step holds besides (``step_bytes``: activations and
+    replicated table, with its gradient; of a table in host memory, what FBGEMM keeps in HBM), the
+    dense model with its gradients, DDP's gradient buckets and optimizer state, a few batches, what a step holds besides (``step_bytes``: activations and
     their gradients, see autograd_working_set_bytes), the pooled lookups its shards compute for the
     whole global batch and their gradients (the all-to-all's send and receive buffers), and the pages
     of memory-mapped data files it reads (resident memory counts them)."""

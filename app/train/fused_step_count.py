@@ -1,9 +1,9 @@
 """Evaluation leaves the step count of FBGEMM's fused embedding optimizers where training left it.
 
-FBGEMM's Adam (and LAMB, and weight decay by step) read their bias correction from a step count kept
-in each kernel, and every forward of the kernel advances it, evaluation batches included. So without
-this a run that validates in the middle of an epoch trains on with another correction than the same
-run validating less often, and a run resumed from a checkpoint, where the count restored is the
+FBGEMM's Adam (and LAMB) reads its bias correction from a step count kept in each kernel, and every
+forward of the kernel advances it, evaluation batches included. So without this a run that
+validates in the middle of an epoch trains on with another correction than the same run validating
+less often, and a run resumed from a checkpoint, where the count restored is the
 number of training steps (app/checkpoint/format.py, ``restore_fused_optimizer_step``), trains on
 with another correction than the run that wrote it.
 

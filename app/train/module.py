@@ -21,9 +21,9 @@ from app.model.compile import (
 )
 from app.model.dlrm import EmbeddingPrecision, Interaction, build_dlrm, check_embedding_precision
 from app.model.tables import expand_table_sizes
+from app.train.fused_step_count import FusedStepCount
 from app.train.log_steps import RunningMean, metrics_written_after_this_batch
 from app.train.lr_schedule import LRSchedule, lr_scheduler_config, restore_scheduled_rates, step_lr_schedulers
-from app.train.fused_step_count import FusedStepCount
 from app.train.host_group import host_process_group
 from app.train.metrics import (
     EvalMetrics,
