@@ -97,7 +97,7 @@ def cli_worker(
 
 
 def run_on_ranks(world_size: int, args: list[str], tmp_path: Path, inspect: Inspect | None = None) -> list[dict]:
-    """Runs ``python -m app <args>`` on ``world_size`` spawned processes; returns each rank's inspect result."""
+    """Runs ``python -m app <args>`` on ``world_size`` processes (``start_cli_ranks``); returns each rank's inspect result."""
     out_dir = run_folder(tmp_path, f"ranks{world_size}")
     with rendezvous_port() as port:
         start_cli_ranks(world_size, port, args, inspect, out_dir)

@@ -84,6 +84,10 @@ def test_every_preset_parses_and_can_run_here(preset):
             ["--app_variants", '{"uvm": {"strategy": {"table_constraints": {"t_cat_0": {"compute_kernels": ["fused_uvm_caching"]}}}}}'],
             "app_variants.uvm.strategy.table_constraints.t_cat_0.compute_kernels: 'fused_uvm_caching' is not available on cpu",
         ),
+        (
+            ["--app_variants", '{"uvm": {"strategy": {"table_constraints": {"t_cat_0": {"cache_factor": 0.2}}}}}'],
+            "app_variants.uvm.strategy.table_constraints.t_cat_0: unknown field(s) ['cache_factor']; fields: sharding_types,",
+        ),
         (["--preset", "no_such_preset"], "--preset 'no_such_preset'"),
     ],
 )

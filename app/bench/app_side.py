@@ -14,7 +14,7 @@ from lightning.pytorch import LightningDataModule, Trainer
 from app.bench.data import RandomDataModule, pins_batches
 from app.bench.dataset import open_dataset
 from app.bench.measure import StepClock, StepClockCallback
-from app.bench.settings import BenchSpec, app_precision, split_variant, typed_strategy
+from app.bench.settings import BenchSpec, app_precision, split_variant
 from app.bench.trained_batches import TrainedBatches, TrainedBatchesCallback
 from app.checkpoint.preemption import SaveOnSignal
 from app.distributed.strategy import TorchRecStrategy
@@ -34,7 +34,7 @@ def run_app(
     trainer = Trainer(
         accelerator=spec.run.accelerator,
         devices=spec.run.world_size,
-        strategy=TorchRecStrategy(**typed_strategy({**spec.strategy, **strategy_settings})),
+        strategy=TorchRecStrategy(**{**spec.strategy, **strategy_settings}),
         max_steps=spec.total_steps,
         default_root_dir=spec.run.output_dir,  # the strategy writes the plan it used there
         max_epochs=-1,

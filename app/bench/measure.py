@@ -22,12 +22,11 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
-from torchrec.distributed.planner.constants import UVM_CACHING_RATIO
 from torchrec.distributed.types import ParameterSharding, ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from app.bench.phases import StepProfiler
-from app.distributed.sharding import UVM_CACHING_KERNEL
+from app.distributed.sharding import UVM_CACHING_KERNEL, cache_load_factor, keeps_rows_in_host_memory
 from app.model.dlrm import NUM_DENSE_FEATURES, build_dlrm, build_dlrm_arguments
 
 # Optimizer state per table element, as a multiple of the table itself (row-wise Adagrad keeps one
@@ -164,10 +163,8 @@ def _shard_bytes(rows: int, cols: int, sharding: ParameterSharding, sparse_optim
     """
     state_bytes = rows * _row_state_bytes(sparse_optimizer)
     if sharding.compute_kernel == UVM_CACHING_KERNEL:
-        cache = sharding.cache_params
-        load_factor = cache.load_factor if cache is not None and cache.load_factor else UVM_CACHING_RATIO
-        return load_factor * rows * (cols * _FLOAT32_BYTES + 16) + rows * 4 + state_bytes
-    if "uvm" in sharding.compute_kernel:  # fused_uvm: no cache (as host_memory_tables reads a plan)
+        return cache_load_factor(sharding) * rows * (cols * _FLOAT32_BYTES + 16) + rows * 4 + state_bytes
+    if keeps_rows_in_host_memory(sharding.compute_kernel):  # fused_uvm: no cache
         return state_bytes
     return rows * cols * _FLOAT32_BYTES * (1 + _STATE_PER_ELEMENT[sparse_optimizer]) + state_bytes
 

@@ -11,7 +11,7 @@ import torch
 from app.bench.data import RandomData
 from app.bench.dataset import DatasetInput
 from app.distributed.strategy import APPLIED_PRECISIONS
-from app.distributed.sharding import TableConstraint, validate_fused_optimizer, validate_sharding_request
+from app.distributed.sharding import as_table_constraints, validate_fused_optimizer, validate_sharding_request
 from app.model.compile import DEFAULT_MODE, check_compile_mode, check_compile_supported
 from app.model.dlrm import build_embedding_bag_collection, validate_dlrm_sizes
 from app.train.metrics import available_host_bytes
@@ -138,17 +138,7 @@ def check_can_run(spec: BenchSpec) -> None:
 
 def _check_sharding_request(strategy: dict[str, Any], device_type: str) -> None:
     """The strategy's sharding types and table constraints, refused naming the setting (``strategy.*``)."""
-    validate_sharding_request(strategy.get("sharding_types"), typed_strategy(strategy).get("table_constraints") or {}, device_type)
-
-
-def typed_strategy(strategy: dict[str, Any]) -> dict[str, Any]:
-    """The strategy settings with each table constraint as the strategy takes it (a ``TableConstraint``): the
-    bench reads them as JSON, where the CLI has jsonargparse build them from the strategy's signature."""
-    constraints = strategy.get("table_constraints")
-    if not constraints:
-        return dict(strategy)
-    typed = {name: TableConstraint(**c) if isinstance(c, dict) else c for name, c in constraints.items()}
-    return {**strategy, "table_constraints": typed}
+    validate_sharding_request(strategy.get("sharding_types"), as_table_constraints(strategy.get("table_constraints")), device_type)
 
 
 def _check_compile(prefix: str, model: dict[str, Any], device_type: str) -> None:

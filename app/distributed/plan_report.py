@@ -18,16 +18,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from torchrec.distributed.planner.constants import UVM_CACHING_RATIO
 from torchrec.distributed.types import ShardingPlan
 
 from app.checkpoint.plan_json import plan_from_json, plan_to_json
 from app.distributed.sharding import (
     UVM_CACHING_KERNEL,
     PlannedSharding,
+    cache_load_factor,
     format_plan,
     host_memory_tables,
     host_memory_warning,
+    keeps_rows_in_host_memory,
     natural_key,
 )
 from app.distributed.topology import DeviceTopology
@@ -88,10 +89,9 @@ def table_summaries(planned: PlannedSharding) -> list[dict[str, Any]]:
     for module_plan in planned.plan.plan.values():
         for name, sharding in module_plan.items():  # type: ignore[union-attr]
             shards = estimates.get(name, [])
-            cache = getattr(sharding, "cache_params", None)
             load_factor = shards[0].cache_load_factor if shards else None
             if not shards and sharding.compute_kernel == UVM_CACHING_KERNEL:
-                load_factor = cache.load_factor if cache and cache.load_factor else UVM_CACHING_RATIO
+                load_factor = cache_load_factor(sharding)
             summaries.append(
                 {
                     "table": name,
@@ -101,7 +101,7 @@ def table_summaries(planned: PlannedSharding) -> list[dict[str, Any]]:
                     "cache_load_factor": load_factor,
                     "hbm_bytes": sum(e.hbm_bytes for e in shards),
                     "ddr_bytes": sum(e.ddr_bytes for e in shards),
-                    "in_host_memory": "uvm" in sharding.compute_kernel,
+                    "in_host_memory": keeps_rows_in_host_memory(sharding.compute_kernel),
                 }
             )
     return sorted(summaries, key=lambda summary: natural_key(summary["table"]))

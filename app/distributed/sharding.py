@@ -31,7 +31,7 @@ from torchrec.distributed.planner.types import (
     Stats,
     Topology,
 )
-from torchrec.distributed.types import CacheParams, ModuleSharder, ShardingPlan, ShardingType
+from torchrec.distributed.types import CacheParams, ModuleSharder, ParameterSharding, ShardingPlan, ShardingType
 from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
@@ -69,6 +69,37 @@ class TableConstraint:
     compute_kernels: list[str] | None = None
     min_partition: int | None = None
     cache_load_factor: float | None = None
+
+
+def as_table_constraints(constraints: Mapping[str, TableConstraint | Mapping[str, Any]] | None) -> dict[str, TableConstraint]:
+    """Each table's constraint as a ``TableConstraint``: jsonargparse builds them from the CLI and configs,
+    a caller in Python or the bench's JSON may give a plain mapping of its fields. An unknown field is
+    refused naming the setting (``strategy.table_constraints.<table>``)."""
+    typed = {}
+    for name, constraint in (constraints or {}).items():
+        if isinstance(constraint, Mapping):
+            unknown = sorted(set(constraint) - set(TableConstraint.__dataclass_fields__))
+            if unknown:
+                raise ValueError(
+                    f"strategy.table_constraints.{name}: unknown field(s) {unknown}; "
+                    f"fields: {', '.join(TableConstraint.__dataclass_fields__)}"
+                )
+            constraint = TableConstraint(**constraint)
+        typed[name] = constraint
+    return typed
+
+
+def keeps_rows_in_host_memory(compute_kernel: str) -> bool:
+    """Whether a TorchRec compute kernel keeps the table's rows in host memory, read over UVM
+    (``fused_uvm``, and ``fused_uvm_caching`` behind an HBM cache)."""
+    return "uvm" in compute_kernel
+
+
+def cache_load_factor(sharding: ParameterSharding) -> float:
+    """The share of a ``fused_uvm_caching`` table's rows its HBM cache holds: the plan's, else the
+    planner's and FBGEMM's default."""
+    cache = sharding.cache_params
+    return cache.load_factor if cache is not None and cache.load_factor else UVM_CACHING_RATIO
 
 
 def default_sharders() -> list[ModuleSharder[nn.Module]]:
@@ -477,7 +508,7 @@ def host_memory_tables(plan: ShardingPlan) -> dict[str, str]:
         name: sharding.compute_kernel
         for module_plan in plan.plan.values()
         for name, sharding in module_plan.items()  # type: ignore[union-attr]
-        if "uvm" in sharding.compute_kernel
+        if keeps_rows_in_host_memory(sharding.compute_kernel)
     }
 
 

@@ -51,6 +51,7 @@ from app.distributed.sharding import (
     PLANNER_OBJECTIVES,
     PlannedSharding,
     TableConstraint,
+    as_table_constraints,
     build_constraints,
     embedding_table_names,
     format_plan,
@@ -135,7 +136,7 @@ class TorchRecStrategy(ParallelStrategy):
         # Accelerator, devices and cluster environment are filled in by the Trainer.
         super().__init__()
         self.sharding_types = sharding_types
-        self.table_constraints = dict(table_constraints or {})
+        self.table_constraints = as_table_constraints(table_constraints)  # as qcomms below: a plain dict from Python
         self.topology = topology
         self.topology_overrides = dict(topology_overrides or {})
         self.planner_objective = planner_objective

@@ -31,11 +31,10 @@ class FusedStepCount:
     def put_back(self) -> None:
         """Sets each held kernel's count, and the copy it computes with, to the count held."""
         for kernel, count in self._held:
+            # The kernel copies ``iter`` into ``iter_cpu`` only while ``iter_cpu`` is 0 (a fresh kernel);
+            # once the two have met they advance together, so both are set alike.
             kernel.iter.fill_(count)
-            if hasattr(kernel, "iter_cpu"):
-                # The kernel copies ``iter`` into ``iter_cpu`` only while ``iter_cpu`` is 0 (a fresh
-                # kernel); once the two have met they advance together, so both are set alike.
-                kernel.iter_cpu.fill_(count)
+            kernel.iter_cpu.fill_(count)
         self._held = []
 
 
@@ -44,10 +43,10 @@ def training_kernels(module: torch.nn.Module) -> list[SplitTableBatchedEmbedding
     (data-parallel tables use dense kernels, which keep no count)."""
     # TorchRec keeps a sharded collection's lookups in a plain list (``_lookups``), out of the module
     # tree, so ``module.modules()`` alone never reaches the kernels.
-    kernels = {}
-    for sharded in module.modules():
-        for lookup in getattr(sharded, "_lookups", None) or []:
-            for kernel in lookup.modules():
-                if isinstance(kernel, SplitTableBatchedEmbeddingBagsCodegen) and hasattr(kernel, "iter"):
-                    kernels[id(kernel)] = kernel
-    return list(kernels.values())
+    return [
+        kernel
+        for sharded in module.modules()
+        for lookup in getattr(sharded, "_lookups", None) or []
+        for kernel in lookup.modules()
+        if isinstance(kernel, SplitTableBatchedEmbeddingBagsCodegen)
+    ]
