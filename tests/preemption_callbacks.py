@@ -9,6 +9,7 @@ at that same step.
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -81,3 +82,20 @@ class HoldSaveAt(Callback):
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         if trainer.global_step == self.step:
             threading.Event().wait(self.hold_s)  # nothing sets it: a save that takes hold_s longer
+
+
+class ReportSignalsAtExit(Callback):
+    """Prints, as the process exits, what SIGTERM and SIGUSR1 do then (``at exit: SIGTERM ignored, ...``).
+
+    Registered with ``atexit`` in the setup hook, so it runs after any exit handler the run registers
+    later (atexit runs them last in, first out): it reports what a signal arriving during the rest of
+    the interpreter's shutdown would meet."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        atexit.register(_report_signals)
+
+
+def _report_signals() -> None:
+    names = {signal.SIG_IGN: "ignored", signal.SIG_DFL: "default"}
+    found = [f"{s.name} {names.get(signal.getsignal(s), 'handled')}" for s in (signal.SIGTERM, signal.SIGUSR1)]
+    print(f"at exit: {', '.join(found)}", flush=True)

@@ -155,10 +155,13 @@ def test_a_signal_before_training_stops_every_rank_without_a_save_and_requeues(s
     handlers): nothing was trained, so nothing is saved; the ranks stop and the job is requeued."""
     root = tmp_path / "run"
     args = fit_args(sample, root, "--trainer.callbacks+=preemption_callbacks.SignalAt",
-                    "--trainer.callbacks.at", "setup")  # fmt: skip
+                    "--trainer.callbacks.at", "setup",
+                    "--trainer.callbacks+=preemption_callbacks.ReportSignalsAtExit")  # fmt: skip
     returncodes, logs, scontrol = run_slurm_job(args, tmp_path)
 
     assert returncodes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    # The requeue's SIGTERM reaches rank 1 while it exits: ignored there, not its default action (a kill).
+    assert all("at exit: SIGTERM ignored, SIGUSR1 ignored" in log for log in logs), logs[1][-3000:]
     assert "SIGUSR1: nothing trained since the run started, no save; stopping" in logs[0], logs[0][-3000:]
     assert scontrol == f"requeue {JOB_ID}\n"
     assert not (root / "checkpoints").exists() or checkpoint_names(root) == []

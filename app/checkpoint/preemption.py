@@ -27,9 +27,11 @@ atomically, app/checkpoint/format.py). Either way the job is back in the queue b
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
+import sys
 import threading
 from pathlib import Path
 from types import FrameType
@@ -107,6 +109,7 @@ class SaveOnSignal(Callback):
         self._requeue_timer: threading.Timer | None = None
         self._first_step: int | None = None  # global_step when this run's training started
         self._stopped = False
+        self._ignoring_at_exit = False  # _ignore_signals_at_exit is registered
         self._unwrap: list[Any] = []  # undoes the changes to Lightning's objects
 
     # ---- the handlers ------------------------------------------------------------------------
@@ -193,7 +196,8 @@ class SaveOnSignal(Callback):
         self._unwrap = []
         if not self._stopped:
             # After a pre-emption the handlers stay: SLURM's SIGTERM after the requeue must find the
-            # ranks finishing their teardown (loggers flushing), not kill them mid-way.
+            # ranks finishing their teardown (loggers flushing), not kill them mid-way; at the
+            # interpreter's exit the signals are then ignored (_ignore_signals_at_exit).
             self._cancel_requeue_deadline()
             self._restore_handlers()
 
@@ -270,6 +274,9 @@ class SaveOnSignal(Callback):
         )
         saved = self._save(trainer) if trained else None
         self._stopped = True
+        if not self._ignoring_at_exit:
+            atexit.register(_ignore_signals_at_exit, tuple(self._previous_handlers))
+            self._ignoring_at_exit = True
         names = "/".join(signal.Signals(s).name for s in sorted(self._received)) or "a signal on another rank"
         done = f"saved {saved} at step {trainer.global_step}" if saved else "nothing trained since the run started, no save"
         rank_zero_info(f"{names}: {done}; stopping without further validation or checkpoints (resume with --ckpt_path last)")
@@ -304,6 +311,28 @@ class SaveOnSignal(Callback):
         folder = callback.dirpath if isinstance(callback, ModelCheckpoint) and callback.dirpath else None
         folder = folder or os.path.join(trainer.default_root_dir, "checkpoints")
         return str(Path(folder) / f"{ModelCheckpoint.CHECKPOINT_NAME_LAST}{ModelCheckpoint.FILE_EXTENSION}")
+
+
+def _ignore_signals_at_exit(signums: tuple[int, ...]) -> None:
+    """Ignores ``signums`` for the rest of a pre-empted process's exit.
+
+    After a requeue SLURM sends SIGTERM to every process of the job, and a rank may be exiting by then.
+    Python's finalization puts the default action back for every signal with a Python handler, so a
+    SIGTERM in its last moments killed a rank that had finished cleanly (exit status -15 where 0 was
+    due). An ignored signal is left ignored. The run is over: nothing is left for a signal to stop, and
+    a rank stuck at exit still gets SLURM's SIGKILL (``KillWait``) or Kubernetes' after its grace period.
+    """
+    report = sys.unraisablehook
+
+    def drop_ignored_signal_reports(unraisable: Any) -> None:
+        # A signal that arrives while the handler changes is dropped, as intended, but Python reports it
+        # ("Signal 15 ignored due to race condition") through this hook.
+        if not (isinstance(unraisable.exc_value, OSError) and "ignored due to race condition" in str(unraisable.exc_value)):
+            report(unraisable)
+
+    sys.unraisablehook = drop_ignored_signal_reports
+    for signum in signums:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def preempted_exit_status(signum: int, requeued: bool) -> int:
