@@ -75,6 +75,7 @@ def test_every_preset_parses_and_can_run_here(preset):
         (["--app_variants", '{"fast": {"strategy": {"no_such": 1}}}'], "app_variants.fast.strategy.no_such is not a strategy setting"),
         (["--app_variants", '{"half": {"precision": "16-mixed"}}'], "app_variants.half.precision = 16-mixed: the app applies"),
         (["--run.precision", "bf16-true"], "run.precision = bf16-true: the app applies 32-true or bf16-mixed"),
+        (["--app_variants", '{"bar": {"progress_bar_refresh_rate": -1}}'], "app_variants.bar.progress_bar_refresh_rate = -1: give a whole"),
         (
             ["--app_variants", '{"graphs": {"compile": true, "compile_mode": "reduce-overhead"}}'],
             "app_variants.graphs.compile_mode = reduce-overhead replays the dense layers as CUDA graphs, which need a CUDA GPU",
@@ -200,6 +201,15 @@ def test_a_variants_table_constraints_reach_the_planner(tmp_path):
     assert [row.split()[:2] for row in plans["app"].splitlines() if row.startswith("t_cat_0 ")] == [["t_cat_0", "table_wise"]]
     assert [row.split()[:2] for row in plans["cw"].splitlines() if row.startswith("t_cat_0 ")] == [["t_cat_0", "column_wise"]]
     assert lines[2]["variants_with_another_plan"] == ["cw"]
+
+
+def test_a_variant_with_a_progress_bar_draws_it_on_standard_error_and_standard_output_stays_json(tmp_path, capfd):
+    lines = main([*TINY, "--run.sides", "[app]", "--run.output_dir", str(tmp_path), "--app_variants", '{"bar": {"progress_bar_refresh_rate": 1}}'])
+    assert [line.get("run") for line in lines] == ["app", "bar", None]
+    captured = capfd.readouterr()
+    # 6 steps (TINY: 2 warm-up, 4 measured), each redrawn (Lightning draws on stdout; a rank's stdout is the bench's stderr).
+    assert [f"{step}/6" in captured.err for step in range(1, 7)] == [True] * 6, captured.err[-2000:]
+    assert [json.loads(line).get("run", "summary") for line in captured.out.splitlines()] == ["app", "bar", "summary"]
 
 
 def test_same_plan_compares_the_default_app_run_with_the_plain_loop_and_names_variants_with_their_own():

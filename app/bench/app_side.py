@@ -1,7 +1,8 @@
 """The app's side of the benchmark: the real LightningModule, TorchRecStrategy and Trainer, on one rank.
 
 The Trainer is built as ``python -m app fit`` builds it (the app's samples/s and save-on-signal callbacks included),
-minus what a benchmark must not time: loggers, checkpoints, the progress bar and validation.
+minus what a benchmark must not time: loggers, checkpoints, the progress bar (unless a variant asks for
+it: ``progress_bar_refresh_rate``) and validation.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule, Trainer
+from lightning.pytorch.callbacks import TQDMProgressBar
 
 from app.bench.data import RandomDataModule, pins_batches
 from app.bench.dataset import open_dataset
 from app.bench.measure import StepClock, StepClockCallback
-from app.bench.settings import BenchSpec, app_precision, split_variant
+from app.bench.settings import PROGRESS_BAR_KEY, BenchSpec, app_precision, split_variant
 from app.bench.trained_batches import TrainedBatches, TrainedBatchesCallback
 from app.checkpoint.preemption import SaveOnSignal
 from app.distributed.strategy import TorchRecStrategy
@@ -30,6 +32,8 @@ def run_app(
     returns the module and the plan for the report. ``model_overrides``: a variant's settings (model
     settings, and strategy settings under its ``strategy`` key)."""
     model_settings, strategy_settings = split_variant(model_overrides)
+    refresh_rate = model_overrides.get(PROGRESS_BAR_KEY, 0)
+    progress_bar = [TQDMProgressBar(refresh_rate=refresh_rate)] if refresh_rate else []
     module = DLRMModule(**{**spec.model_args(), **model_settings})
     trainer = Trainer(
         accelerator=spec.run.accelerator,
@@ -41,11 +45,11 @@ def run_app(
         precision=app_precision(spec.run, model_overrides),
         logger=False,
         enable_checkpointing=False,
-        enable_progress_bar=False,
+        enable_progress_bar=bool(progress_bar),
         enable_model_summary=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[SamplesPerSecond(), SaveOnSignal(), StepClockCallback(clock), TrainedBatchesCallback(trained)],
+        callbacks=[SamplesPerSecond(), SaveOnSignal(), StepClockCallback(clock), TrainedBatchesCallback(trained), *progress_bar],
     )
     trainer.fit(module, datamodule=_data_module(spec, rank, device))
     if trainer.global_step != spec.total_steps:

@@ -64,8 +64,9 @@ def build_parser() -> ArgumentParser:
     parser.add_class_arguments(TorchRecStrategy, "strategy")
     parser.add_argument(
         "--app_variants", type=dict[str, dict[str, Any]], default={},
-        help="more runs of the app, by name, each with model settings of its own (e.g. model.pipeline, model.compile) "
-        "and strategy settings under 'strategy' (e.g. {strategy: {qcomms: ...}}); each gets a ratio over the plain loop",
+        help="more runs of the app, by name, each with model settings of its own (e.g. model.pipeline, model.compile), "
+        "strategy settings under 'strategy' (e.g. {strategy: {qcomms: ...}}), 'precision' (trainer.precision) and "
+        "'progress_bar_refresh_rate' (the progress bar, off otherwise); each gets a ratio over the plain loop",
     )  # fmt: skip
     return parser
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,10 @@ def _worker(
         WORLD_SIZE=world_size, LOCAL_WORLD_SIZE=world_size,
     )  # fmt: skip
     silence_library_notices()  # as `python -m app` does, on both sides
+    # The bench's standard output is its JSON lines: what a rank prints (a variant's progress bar, which
+    # Lightning draws on stdout) goes to standard error.
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     device = torch.device("cpu") if spec.device_type == "cpu" else torch.device("cuda", rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -24,6 +24,10 @@ Side = Literal["app", "raw", "raw_base"]
 STRATEGY_KEY = "strategy"
 # The key of an app variant that sets the app's ``trainer.precision`` (e.g. ``{precision: 32-true}``).
 PRECISION_KEY = "precision"
+# The key of an app variant that adds the app's progress bar, redrawn every N batches (``python -m app``
+# draws it every 20); without it the app side runs without a bar.
+PROGRESS_BAR_KEY = "progress_bar_refresh_rate"
+_TRAINER_KEYS = (STRATEGY_KEY, PRECISION_KEY, PROGRESS_BAR_KEY)
 
 # Optimizer state the fused embedding optimizers keep per table element (row-wise Adagrad: per row).
 _STATE_PER_ELEMENT = {"adagrad": 1.0, "adam": 2.0, "sgd": 0.0, "row_wise_adagrad": 0.0}
@@ -116,12 +120,15 @@ def check_can_run(spec: BenchSpec) -> None:
     _check_tables_fit(spec, rows, model["embedding_dim"], model["sparse_optimizer"])
     for label, overrides in spec.app_variants.items():
         for key in overrides:
-            if key not in spec.model and key not in (STRATEGY_KEY, PRECISION_KEY):
+            if key not in spec.model and key not in _TRAINER_KEYS:
                 raise ValueError(
-                    f"app_variants.{label}.{key} is neither a model setting nor {STRATEGY_KEY!r} or {PRECISION_KEY!r}; "
+                    f"app_variants.{label}.{key} is neither a model setting nor one of {', '.join(_TRAINER_KEYS)}; "
                     f"model settings: {', '.join(spec.model)}"
                 )
         _check_precision(f"app_variants.{label}.{PRECISION_KEY}", overrides.get(PRECISION_KEY))
+        refresh_rate = overrides.get(PROGRESS_BAR_KEY, 0)
+        if not isinstance(refresh_rate, int) or isinstance(refresh_rate, bool) or refresh_rate < 0:
+            raise ValueError(f"app_variants.{label}.{PROGRESS_BAR_KEY} = {refresh_rate!r}: give a whole number of batches, 0 for no bar")
         variant_model, variant_strategy = split_variant(overrides)
         _check_compile(f"app_variants.{label}.", {**spec.model, **variant_model}, spec.device_type)
         if variant_strategy:
@@ -160,8 +167,8 @@ def _check_precision(setting: str, precision: str | None) -> None:
 
 def split_variant(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A variant's (model settings, strategy settings): the strategy's under its ``strategy`` key (its
-    ``precision``, a trainer setting, is read by ``app_precision``)."""
-    model = {key: value for key, value in overrides.items() if key not in (STRATEGY_KEY, PRECISION_KEY)}
+    trainer settings are read by ``app_precision`` and the app side: ``precision``, ``progress_bar_refresh_rate``)."""
+    model = {key: value for key, value in overrides.items() if key not in _TRAINER_KEYS}
     return model, dict(overrides.get(STRATEGY_KEY) or {})
 
 
