@@ -17,7 +17,7 @@ import sys
 from typing import Any
 
 from lightning.pytorch import Callback, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -36,6 +36,10 @@ from app.train.precision import FLOAT32, default_precision
 
 # Errors a user causes with a setting or a file: shown as one line, not a traceback.
 _USER_ERRORS = (ValueError, FileNotFoundError)
+# Lightning's progress bar redraws at every batch by default (refresh_rate 1): about 0.4 ms a step here
+# (docs/performance.md#what-lightning-costs-per-step), several % of a host-bound GPU step, and a line a
+# step in a batch job's log. Lightning itself takes 20 on Colab.
+PROGRESS_BAR_REFRESH_STEPS = 20
 
 
 class DLRMCLI(LightningCLI):
@@ -56,6 +60,10 @@ class DLRMCLI(LightningCLI):
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults({"checkpoint.save_last": True})
         parser.add_lightning_class_args(SaveOnSignal, "save_on_signal")
+        # Lightning's bar, redrawn every PROGRESS_BAR_REFRESH_STEPS batches; off with --trainer.enable_progress_bar
+        # false, and left out when --trainer.callbacks brings a progress bar of its own.
+        parser.add_lightning_class_args(TQDMProgressBar, "progress_bar")
+        parser.set_defaults({"progress_bar.refresh_rate": PROGRESS_BAR_REFRESH_STEPS})
         # Off unless --early_stopping.monitor names a metric (app/train/early_stopping.py).
         parser.add_lightning_class_args(EarlyStoppingWhenAsked, "early_stopping")
         # Say why fit ended (Lightning prints nothing when it stops early), once, not once per rank.
@@ -101,10 +109,18 @@ class DLRMCLI(LightningCLI):
         if config.get("enable_checkpointing") is False:
             callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
         callbacks = [c for c in callbacks if not isinstance(c, EarlyStoppingWhenAsked) or c.enabled]
+        bar_off = config.get("enable_progress_bar") is False
+        if bar_off or any(isinstance(c, ProgressBar) for c in _as_list(config.get("callbacks"))):
+            callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]  # Lightning refuses a bar then, or two bars
         trainer = super()._instantiate_trainer(config, callbacks)
         if self.subcommand and hasattr(trainer.strategy, "requested_ckpt_path"):
             trainer.strategy.requested_ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         return trainer
+
+
+def _as_list(callbacks: Any) -> list[Any]:
+    """``trainer.callbacks`` as given: None, one callback or a list."""
+    return [] if callbacks is None else callbacks if isinstance(callbacks, list) else [callbacks]
 
 
 def _choose_precision(trainer: Any) -> None:

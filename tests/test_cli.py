@@ -132,3 +132,29 @@ def test_fp16_mixed_precision_is_refused_on_gpus(recwarn):
     )
     strategy.precision_plugin = MixedPrecision("bf16-mixed", "cuda")
     strategy._reject_settings_fused_updates_cannot_honour(SimpleNamespace(accumulate_grad_batches=1))  # accepted
+
+
+@pytest.mark.parametrize(
+    ("args", "bar"),
+    [
+        ([], ("TQDMProgressBar", 20)),
+        (["--progress_bar.refresh_rate", "1"], ("TQDMProgressBar", 1)),
+        (["--trainer.enable_progress_bar", "false"], None),
+        # A bar of the user's own replaces the app's (Lightning refuses two).
+        (["--trainer.callbacks+=TQDMProgressBar", "--trainer.callbacks.refresh_rate", "7"], ("TQDMProgressBar", 7)),
+    ],
+    ids=["default", "refresh_rate", "disabled", "users_own"],
+)
+def test_the_progress_bar_redraws_every_20_batches_unless_set_otherwise(args, bar, tmp_path):
+    from lightning.pytorch.callbacks import ProgressBar
+
+    from app.cli import DLRMCLI
+    from app.data.datamodule import CriteoDataModule
+    from app.train.module import DLRMModule
+
+    cli = DLRMCLI(
+        DLRMModule, CriteoDataModule, run=False, auto_configure_optimizers=False,
+        args=["--config", "configs/demo.yaml", "--trainer.default_root_dir", str(tmp_path), *args],
+    )  # fmt: skip
+    bars = [c for c in cli.trainer.callbacks if isinstance(c, ProgressBar)]
+    assert [(type(c).__name__, c.refresh_rate) for c in bars] == ([bar] if bar else [])
