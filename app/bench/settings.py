@@ -24,8 +24,8 @@ Side = Literal["app", "raw", "raw_base"]
 STRATEGY_KEY = "strategy"
 # The key of an app variant that sets the app's ``trainer.precision`` (e.g. ``{precision: 32-true}``).
 PRECISION_KEY = "precision"
-# The key of an app variant that adds the app's progress bar, redrawn every N batches (``python -m app``
-# draws it every 20); without it the app side runs without a bar.
+# The key of an app variant that adds the app's progress bar, redrawn every N batches (``python -m app``'s:
+# ``app.cli.PROGRESS_BAR_REFRESH_STEPS``); without it the app side runs without a bar.
 PROGRESS_BAR_KEY = "progress_bar_refresh_rate"
 _TRAINER_KEYS = (STRATEGY_KEY, PRECISION_KEY, PROGRESS_BAR_KEY)
 
