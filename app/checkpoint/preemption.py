@@ -109,7 +109,6 @@ class SaveOnSignal(Callback):
         self._requeue_timer: threading.Timer | None = None
         self._first_step: int | None = None  # global_step when this run's training started
         self._stopped = False
-        self._ignoring_at_exit = False  # _ignore_signals_at_exit is registered
         self._unwrap: list[Any] = []  # undoes the changes to Lightning's objects
 
     # ---- the handlers ------------------------------------------------------------------------
@@ -273,10 +272,9 @@ class SaveOnSignal(Callback):
             and trainer.global_step > self._first_step
         )
         saved = self._save(trainer) if trained else None
+        # For good: the handlers stay (_finish), so install() never clears it and no check runs again.
         self._stopped = True
-        if not self._ignoring_at_exit:
-            atexit.register(_ignore_signals_at_exit, tuple(self._previous_handlers))
-            self._ignoring_at_exit = True
+        atexit.register(_ignore_signals_at_exit, tuple(self._previous_handlers))
         names = "/".join(signal.Signals(s).name for s in sorted(self._received)) or "a signal on another rank"
         done = f"saved {saved} at step {trainer.global_step}" if saved else "nothing trained since the run started, no save"
         rank_zero_info(f"{names}: {done}; stopping without further validation or checkpoints (resume with --ckpt_path last)")
