@@ -145,7 +145,7 @@ def test_fp16_mixed_precision_is_refused_on_gpus(recwarn):
     ],
     ids=["default", "refresh_rate", "disabled", "users_own"],
 )
-def test_the_progress_bar_redraws_every_20_batches_unless_set_otherwise(args, bar, tmp_path):
+def test_the_progress_bar_redraws_every_20_batches_unless_set_otherwise(args, bar, sample_dir, tmp_path):
     from lightning.pytorch.callbacks import ProgressBar
 
     from app.cli import DLRMCLI
@@ -154,7 +154,11 @@ def test_the_progress_bar_redraws_every_20_batches_unless_set_otherwise(args, ba
 
     cli = DLRMCLI(
         DLRMModule, CriteoDataModule, run=False, auto_configure_optimizers=False,
-        args=["--config", "configs/demo.yaml", "--trainer.default_root_dir", str(tmp_path), *args],
+        args=[
+            "--config", "configs/demo.yaml", "--trainer.default_root_dir", str(tmp_path),
+            # The test's own rows: `make test` runs on a clone where `make sample` has not written data/sample/.
+            "--data.train", str(sample_dir / "train.tsv"), "--data.val", str(sample_dir / "val.tsv"), *args,
+        ],
     )  # fmt: skip
     bars = [c for c in cli.trainer.callbacks if isinstance(c, ProgressBar)]
     assert [(type(c).__name__, c.refresh_rate) for c in bars] == ([bar] if bar else [])
