@@ -77,8 +77,7 @@ class DLRMCLI(LightningCLI):
             # Not Lightning's default (the first logger's version folder): a fixed folder per run, so
             # that `--ckpt_path last` finds the run's checkpoints whatever the logger version.
             config.checkpoint.dirpath = os.path.join(root, "checkpoints")
-        loggers = config.trainer.logger
-        for logger in loggers if isinstance(loggers, list) else [loggers]:
+        for logger in _as_list(config.trainer.logger):
             init_args = getattr(logger, "init_args", None)
             if init_args is not None and "save_dir" in init_args and init_args.save_dir is None:
                 init_args.save_dir = root
@@ -118,9 +117,9 @@ class DLRMCLI(LightningCLI):
         return trainer
 
 
-def _as_list(callbacks: Any) -> list[Any]:
-    """``trainer.callbacks`` as given: None, one callback or a list."""
-    return [] if callbacks is None else callbacks if isinstance(callbacks, list) else [callbacks]
+def _as_list(setting: Any) -> list[Any]:
+    """A trainer setting that takes None, one item or a list (``callbacks``, ``logger``), as a list."""
+    return [] if setting is None else setting if isinstance(setting, list) else [setting]
 
 
 def _choose_precision(trainer: Any) -> None:
