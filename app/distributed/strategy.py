@@ -47,6 +47,7 @@ from app.distributed.plan_report import plan_report, report_holds_plan, write_pl
 from app.distributed.rendezvous import join_process_group, long_wait_group, wait_for_every_rank
 from app.train.lr_schedule import move_scheduler
 from app.train.optimizers import StepOnceCombinedOptimizer
+from app.train.pipeline import StepCallsModel
 from app.distributed.sharding import (
     PLANNER_OBJECTIVES,
     PlannedSharding,
@@ -401,11 +402,12 @@ class TorchRecStrategy(ParallelStrategy):
             config.scheduler = move_scheduler(config.scheduler, self.optimizers[0])
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if getattr(self.lightning_module, "training_step_calls_model", False):
+        module = self.lightning_module
+        if isinstance(module, StepCallsModel) and module.training_step_calls_model:
             # A pipelined step (app.train.pipeline) calls the DMP once per batch itself; routing the step
             # through the DMP as well would nest two forwards of the DDP around the dense part. It enters
             # the precision's context around its forward alone, not around the backward it also runs.
-            return self.lightning_module.training_step(*args, **kwargs)
+            return module.training_step(*args, **kwargs)
         return super().training_step(*args, **kwargs)
 
     def model_to_device(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -179,6 +180,7 @@ class DLRMModule(LightningModule):
         check_compile_mode(compile_mode, compile)
         self._cuda_graphs = compile and records_cuda_graphs(compile_mode)
         self._pipelined: PipelinedTraining | None = None
+        self._pipelined_step = False  # model.pipeline resolved to a pipeline, at set-up (training_step)
         self._train_loss = RunningMean()
         self.lr_schedule = LRSchedule(
             lr_warmup_steps, lr_decay_start, lr_decay_steps, lr_decay_power, lr_decay_end_factor
@@ -236,12 +238,10 @@ class DLRMModule(LightningModule):
         self.check_before_launch(device_type, stage)
         if self.hparams.compile and not compiled_layer_names(self.model):
             compile_dense_layers(self.model, device_type, self.hparams.compile_mode)  # compiles at the first forward; the keys stay the same
-        # Known only once the trainer exists: the device and world size decide what "auto" means. A pipelined step
-        # receives Lightning's dataloader_iter (Lightning reads the signature of training_step).
+        # Known only once the trainer exists: the device and world size decide what "auto" means.
         if stage == "fit" and self._resolved_pipeline() != "none":
             self.automatic_optimization = False
-            self.training_step = self.pipelined_training_step  # type: ignore[method-assign]
-            self.training_step_calls_model = True  # read by the strategy: no DMP forward around the step
+            self._pipelined_step = True
         if self.hparams.eval_metrics == "exact" and stage in ("fit", "validate", "test"):
             self._set_up_exact_auc("test" if stage == "test" else "val")
 
@@ -277,7 +277,22 @@ class DLRMModule(LightningModule):
     def _resolved_pipeline(self) -> str:
         return resolve_pipeline(self.hparams.pipeline, self.trainer.strategy.root_device, self.trainer.world_size)
 
-    def training_step(self, batch: CriteoBatch, batch_idx: int) -> torch.Tensor:
+    @property
+    def training_step(self) -> Callable[..., torch.Tensor]:  # type: ignore[override]
+        """The step Lightning runs: ``plain_training_step``, or ``pipelined_training_step`` under
+        ``model.pipeline``. Lightning hands a step a batch or its ``dataloader_iter`` by the parameter
+        names of what it finds here, and the pipeline is known only at set-up (``auto`` depends on the
+        device and world size): a property of the class, so that no method is rebound on the instance."""
+        return self.pipelined_training_step if self._pipelined_step else self.plain_training_step
+
+    @property
+    def training_step_calls_model(self) -> bool:
+        """Whether the step runs the sharded model itself (the pipelined one): the strategy then calls it
+        directly, not through the model's forward (``app.train.pipeline.StepCallsModel``)."""
+        return self._pipelined_step
+
+    def plain_training_step(self, batch: CriteoBatch, batch_idx: int) -> torch.Tensor:
+        """One batch through the model and the click loss; Lightning's loop steps the optimizers."""
         if not self.lr_schedule.is_constant:
             self._hand_scheduled_rate_to_fused_tables()
         loss = click_loss(self(batch), batch)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import inspect
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,18 @@ from app.data.loader import ResumableBatchLoader
 
 Pipeline = Literal["auto", "none", "sparse_dist", "semi_sync"]
 PIPELINES = ("auto", "none", "sparse_dist", "semi_sync")
+
+
+@runtime_checkable
+class StepCallsModel(Protocol):
+    """A LightningModule whose training step may run the sharded model itself: TorchRec's pipeline
+    calls the DistributedModelParallel once per batch, so the strategy must then call the step
+    directly instead of through the DMP's forward (which would run the DDP's forward twice, nested)."""
+
+    @property
+    def training_step_calls_model(self) -> bool:
+        """Whether the step Lightning runs is the pipelined one (decided at set-up)."""
+        ...
 
 
 def check_pipeline(name: str) -> None:
