@@ -10,7 +10,9 @@ threshold, so changing T parses nothing again). Then, beside it in the cache fol
 * each split's days mapped with it, ``<days>-ids-<the vocabulary's SHA-256, 12 digits>``: contiguous
   ids in ``day_N_sparse.npy`` (2, 3, ... for kept ids, 1 for the others, the preprocessor's
   ``--frequency_threshold`` convention), dense features and labels hard-linked from the raw days
-  (copied where the file system has no links). Another vocabulary maps into another folder.
+  (copied where the file system has no links). Another vocabulary maps into another folder. Its
+  ``metadata.json`` also counts, per row range, the ids outside the vocabulary
+  (:mod:`app.data.vocabulary_coverage`: what evaluating those rows reports).
 
 Both follow the cache's protocol (:func:`app.data.cache.cached_folder`): a fingerprint (the raw
 days' inputs and options; the threshold and row part, or the vocabulary's SHA-256), a lock, a
@@ -25,6 +27,7 @@ row range's distinct ids when counting; merging holds one feature's distinct ids
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,7 @@ from app.data.preprocess import (
 from app.data.preprocess.files import link_or_copy, partial_path, save_npz_atomically, write_json_atomically
 from app.data.preprocess.workers import report_rows
 from app.data.splits import RowPart, part_rows
+from app.data.vocabulary_coverage import METADATA_KEY, count_mapped, row_cuts, to_metadata
 
 SETTING = "data.frequency_threshold"
 # A worker's task: at most this many rows of one day (Kaggle's one file is counted in parallel too).
@@ -59,7 +63,8 @@ ROWS_PER_CHUNK = 1 << 17
 class RowRange:
     """Rows ``[start, stop)`` of one cached day (its path prefix ``.../day_N``): one worker's task.
 
-    output: the file the task writes (its id counts, or the mapped ids' file to fill in).
+    output: the file the task writes (its id counts, or the mapped ids' file to fill in), or reads
+        (a day mapped before, whose ids outside the vocabulary are counted).
     vocabulary: the vocabulary folder to map with (mapping tasks only).
     """
 
@@ -91,7 +96,8 @@ def mapped_days(days: CacheRequest, vocabulary: Vocabulary, convert: bool = True
     assert vocabulary.folder is not None, "a cache's vocabulary lives in a folder"
     raw = days.folder
     folder = raw.with_name(f"{raw.name}-ids-{vocabulary.sha256[:12]}")
-    fingerprint = {"days": days.fingerprint(), "vocabulary_sha256": vocabulary.sha256}
+    # The counts key: a folder mapped before its metadata counted the ids outside the vocabulary is mapped again.
+    fingerprint = {"days": days.fingerprint(), "vocabulary_sha256": vocabulary.sha256, "counts": METADATA_KEY}
 
     def map_ids(output: Path) -> None:
         _map_days(cached_days(days), vocabulary, output, days.workers)
@@ -137,45 +143,71 @@ def count_row_range(task: RowRange) -> int:
 def _map_days(raw: Path, vocabulary: Vocabulary, output: Path, workers: int | None) -> None:
     metadata = read_metadata(raw)
     source = NumpyDaysSource.from_directory(raw, [day["day"] for day in metadata["days"]], RAW_IDS)
-    tasks, partials = [], []
-    for prefix, rows in zip(source.prefixes, source.rows_per_day.tolist()):
+    cuts = row_cuts(len(source))  # so that any split's rows sum whole ranges' counts
+    to_map, to_count, partials = [], [], []
+    for day, (prefix, rows) in enumerate(zip(source.prefixes, source.rows_per_day.tolist())):
         dense, sparse, labels = day_paths(prefix)
         mapped_dense, mapped_sparse, mapped_labels = day_paths(output / prefix.name)
         link_or_copy(dense, mapped_dense)  # the same values: no bytes to write
         link_or_copy(labels, mapped_labels)
-        if mapped_sparse.is_file():
-            continue  # mapped by an interrupted earlier attempt with this fingerprint
+        day_start = int(source.day_starts[day])
+        ranges = _row_ranges(source, day_start, day_start + rows, cuts)
+        if mapped_sparse.is_file():  # mapped by an interrupted earlier attempt with this fingerprint: counted only
+            to_count += [RowRange(prefix, a, b, mapped_sparse) for _, a, b in ranges]
+            continue
         partial = partial_path(mapped_sparse)
         # Contiguous ids stay below 2**31: int32, like the raw days.
         np.lib.format.open_memmap(partial, mode="w+", dtype=np.int32, shape=(rows, NUM_SPARSE)).flush()
         partials.append((partial, mapped_sparse))
-        day_start = int(source.day_starts[source.prefixes.index(prefix)])
-        for _, a, b in _row_ranges(source, day_start, day_start + rows):
-            tasks.append(RowRange(prefix, a, b, partial, vocabulary.folder))
-    run_tasks(map_row_range, tasks, _workers(workers), "mapping ids", sys.stderr.isatty())
+        to_map += [RowRange(prefix, a, b, partial, vocabulary.folder) for _, a, b in ranges]
+    progress = sys.stderr.isatty()
+    outside = run_tasks(map_row_range, to_map, _workers(workers), "mapping ids", progress)
+    outside += run_tasks(count_mapped_range, to_count, _workers(workers), "counting ids outside the vocabulary",
+                         progress)
     for partial, final in partials:
         partial.replace(final)
-    write_json_atomically(output / "metadata.json", _mapped_metadata(metadata, vocabulary))
+    day_starts = {prefix: int(start) for prefix, start in zip(source.prefixes, source.day_starts)}
+    counted = sorted(
+        (day_starts[task.prefix] + task.start, day_starts[task.prefix] + task.stop, counts)
+        for task, counts in zip(to_map + to_count, outside)
+    )
+    write_json_atomically(output / "metadata.json", _mapped_metadata(metadata, vocabulary, counted))
 
 
-def map_row_range(task: RowRange) -> int:
-    """Writes the contiguous ids of the task's rows into its (pre-sized) output file; returns the rows."""
+def map_row_range(task: RowRange) -> list[int]:
+    """Writes the contiguous ids of the task's rows into its (pre-sized) output file; returns, per
+    feature, how many of the rows' ids are outside the vocabulary."""
     assert task.vocabulary is not None
     _, sparse_path, _ = day_paths(task.prefix)
     sparse = np.load(sparse_path, mmap_mode="r")
     mapped = np.load(task.output, mmap_mode="r+")
     vocabularies = load_vocabularies(task.vocabulary)
+    outside = np.zeros(NUM_SPARSE, dtype=np.int64)
     for a in range(task.start, task.stop, ROWS_PER_CHUNK):
         b = min(a + ROWS_PER_CHUNK, task.stop)
-        mapped[a:b] = map_to_contiguous(ids_as_int64(sparse[a:b]), vocabularies)
+        mapped[a:b] = map_to_contiguous(ids_as_int64(sparse[a:b]), vocabularies, outside_counts=outside)
         report_rows(b - a)
     mapped.flush()
-    return task.stop - task.start
+    return outside.tolist()
 
 
-def _mapped_metadata(raw: dict[str, Any], vocabulary: Vocabulary) -> dict[str, Any]:
+def count_mapped_range(task: RowRange) -> list[int]:
+    """Per feature, the task's rows' ids outside the vocabulary, read from its mapped file (``output``)."""
+    mapped = np.load(task.output, mmap_mode="r")
+    outside = np.zeros(NUM_SPARSE, dtype=np.int64)
+    for a in range(task.start, task.stop, ROWS_PER_CHUNK):
+        b = min(a + ROWS_PER_CHUNK, task.stop)
+        outside += count_mapped(mapped[a:b])
+        report_rows(b - a)
+    return outside.tolist()
+
+
+def _mapped_metadata(
+    raw: dict[str, Any], vocabulary: Vocabulary, outside: Sequence[tuple[int, int, Sequence[int]]]
+) -> dict[str, Any]:
     """The raw days' metadata.json (rows, labels, skipped rows, raw distinct ids), with the ids
-    described as :mod:`app.data.preprocess` describes a ``--vocabulary`` run's."""
+    described as :mod:`app.data.preprocess` describes a ``--vocabulary`` run's, and the ids outside
+    the vocabulary per row range (``outside``: first row, end row, counts per feature)."""
     return dict(
         raw,
         frequency_threshold=vocabulary.threshold,
@@ -184,20 +216,25 @@ def _mapped_metadata(raw: dict[str, Any], vocabulary: Vocabulary) -> dict[str, A
         vocabulary_sha256=vocabulary.sha256,
         vocabulary_sizes=vocabulary.sizes,
         num_embeddings_per_feature=vocabulary.table_sizes,
+        **{METADATA_KEY: to_metadata(outside)},
     )
 
 
 # ---- shared -----------------------------------------------------------------------------------
 
 
-def _row_ranges(source: NumpyDaysSource, start: int, stop: int) -> list[tuple[Path, int, int]]:
+def _row_ranges(
+    source: NumpyDaysSource, start: int, stop: int, cuts: Sequence[int] = ()
+) -> list[tuple[Path, int, int]]:
     """``[start, stop)`` of the concatenated days as ``(day prefix, first row, end row)`` pieces of at
-    most :data:`ROWS_PER_TASK` rows, each within one day."""
+    most :data:`ROWS_PER_TASK` rows, each within one day, also cut at ``cuts`` (rows of the
+    concatenated days)."""
     pieces = []
     for day, prefix in enumerate(source.prefixes):
         first, end = int(source.day_starts[day]), int(source.day_starts[day + 1])
-        a, b = max(start, first) - first, min(stop, end) - first
-        pieces += [(prefix, s, min(s + ROWS_PER_TASK, b)) for s in range(a, b, ROWS_PER_TASK)]
+        a, b = max(start, first), min(stop, end)
+        bounds = sorted({*range(a, b, ROWS_PER_TASK), *(cut for cut in cuts if a < cut < b), b}) if a < b else []
+        pieces += [(prefix, s - first, e - first) for s, e in zip(bounds, bounds[1:])]
     return pieces
 
 

@@ -61,10 +61,14 @@ def load_vocabularies(folder: Path) -> list[np.ndarray]:
 
 
 def map_to_contiguous(
-    raw_ids: np.ndarray, vocabularies: Sequence[np.ndarray], out: np.ndarray | None = None
+    raw_ids: np.ndarray,
+    vocabularies: Sequence[np.ndarray],
+    out: np.ndarray | None = None,
+    outside_counts: np.ndarray | None = None,
 ) -> np.ndarray:
     """Raw ids (rows, 26) -> contiguous ids: vocabulary position + 2, or 1 when not in it. ``out``
-    may be ``raw_ids`` itself (each block of rows is read whole before it is written)."""
+    may be ``raw_ids`` itself (each block of rows is read whole before it is written).
+    ``outside_counts`` (26,) int64, if given, gets each feature's ids not in its vocabulary added."""
     out = np.empty(raw_ids.shape, dtype=np.int64) if out is None else out
     for start in range(0, raw_ids.shape[0], MAP_BLOCK_ROWS):
         block = slice(start, start + MAP_BLOCK_ROWS)
@@ -74,10 +78,14 @@ def map_to_contiguous(
             column = columns[j]
             if vocabulary.size == 0:
                 column[:] = RARE_ID
+                if outside_counts is not None:
+                    outside_counts[j] += column.size
                 continue
             position = np.searchsorted(vocabulary, column)
             np.minimum(position, vocabulary.size - 1, out=position)
             found = vocabulary[position] == column
+            if outside_counts is not None:  # a pass over a bool column: next to the search, free
+                outside_counts[j] += column.size - np.count_nonzero(found)
             position += FIRST_CONTIGUOUS_ID
             np.copyto(column, RARE_ID)
             np.copyto(column, position, where=found)
@@ -240,9 +248,12 @@ class Vocabulary:
         """What names the vocabulary, as plain data (no arrays)."""
         return {"threshold": self.threshold, "sizes": self.sizes, "sha256": self.sha256}
 
-    def map(self, raw_ids: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Raw ids (rows, 26) -> contiguous ids (int64; into ``out``, which may be ``raw_ids``)."""
-        return map_to_contiguous(raw_ids, self.ids, out)
+    def map(
+        self, raw_ids: np.ndarray, out: np.ndarray | None = None, outside_counts: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Raw ids (rows, 26) -> contiguous ids (int64; into ``out``, which may be ``raw_ids``).
+        ``outside_counts`` (26,) int64, if given, gets each feature's ids mapped to 1 added."""
+        return map_to_contiguous(raw_ids, self.ids, out, outside_counts)
 
     def save(self, folder: Path) -> None:
         """Write the vocabulary into ``folder`` (created), ``vocabulary.json`` last. Files of a vocabulary
