@@ -126,6 +126,13 @@ def _world() -> _World:
     return _World(tuple(cdfs), tuple(hex_ids), tuple(effects), (a, b))
 
 
+@functools.lru_cache(maxsize=2)
+def _other_hex_ids(id_hash: int) -> tuple[np.ndarray, ...]:
+    """Per feature, the hex text of each vocabulary id under hash ``id_hash`` (not the world's own)."""
+    rng = np.random.default_rng([WORLD_SEED, 0, id_hash])  # never the world's stream, nor a row sample's
+    return tuple(_hex_text(_unique_hashes(rng, size)) for size in VOCAB_SIZES)
+
+
 def vocabulary_hex_ids() -> tuple[np.ndarray, ...]:
     """Per categorical feature, the hex text written for each vocabulary id: (V, 8) uint8 (index = id).
 
@@ -235,21 +242,26 @@ _FORMAT_ROWS = 2_048
 
 
 def write_synthetic_criteo(
-    path: str | os.PathLike, num_rows: int, seed: int, labelled: bool = True
+    path: str | os.PathLike, num_rows: int, seed: int, labelled: bool = True, id_hash: int = 0
 ) -> SyntheticSummary:
     """Write ``num_rows`` synthetic rows to ``path`` (40 fields, or 39 if not ``labelled``).
 
     The rows are the same either way; unlabelled files just omit the label column (the summary
     still reports the hidden labels). Returns the row count, positives and Bayes-optimal AUC.
+
+    ``id_hash``: 0 writes each categorical id as the world's hash; another value writes the same
+    rows with another random 32-bit hash per id, as another source logs the same kind of values
+    (Criteo's Kaggle and Terabyte ids never overlap): next to no id of such a file matches one
+    written with another ``id_hash`` (only empty fields, and chance collisions of 32-bit values).
     """
     if num_rows <= 0:
         raise ValueError(f"num_rows must be positive, got {num_rows}")
     rows = sample_rows(num_rows, seed)
-    world = _world()
+    hex_ids = _world().hex_ids if id_hash == 0 else _other_hex_ids(id_hash)
     with open(path, "wb") as out:
         for start in range(0, num_rows, _FORMAT_ROWS):
             part = slice(start, min(start + _FORMAT_ROWS, num_rows))
-            out.write(_format_rows(rows, part, world, labelled))
+            out.write(_format_rows(rows, part, hex_ids, labelled))
     positives = int(rows.labels.sum())
     return SyntheticSummary(
         num_rows=num_rows,
@@ -259,14 +271,14 @@ def write_synthetic_criteo(
     )
 
 
-def _format_rows(rows: SyntheticRows, part: slice, world: _World, labelled: bool) -> bytes:
+def _format_rows(rows: SyntheticRows, part: slice, hex_ids: tuple[np.ndarray, ...], labelled: bool) -> bytes:
     """The TSV text of ``rows[part]``: label slot, 13 dense slots, 26 id slots, each + separator."""
     n = rows.labels[part].size
     dense_text, dense_used = _decimal_text(rows.dense[part], rows.dense_missing[part])
     ids = rows.ids[part]
     sparse_text = np.empty((n, NUM_SPARSE, 9), dtype=np.uint8)
     for j in range(NUM_SPARSE):
-        sparse_text[:, j, :8] = world.hex_ids[j][ids[:, j]]  # -1 (missing) is masked out below
+        sparse_text[:, j, :8] = hex_ids[j][ids[:, j]]  # -1 (missing) is masked out below
     sparse_text[:, :, 8] = ord("\t")
     sparse_text[:, -1, 8] = ord("\n")
     sparse_used = np.ones(sparse_text.shape, dtype=bool)
