@@ -34,11 +34,11 @@ from app.data.tsv import NUM_SPARSE, SPARSE_NAMES
 SETTING = "data.out_of_vocabulary_warn_share"
 # Measured with T = 3, the vocabulary counted over part of the rows and the per-feature share taken
 # on other rows: held-out rows of the same data reach at most 0.77 (real Kaggle rows, vocabulary of
-# 2,285 of 4,571 rows: C3, whose rare ids dominate a sample that small; 0.15 for synthetic rows of
-# another seed), while rows from another source put most features at 0.97-1.00 (real Terabyte rows
-# against that Kaggle vocabulary: 23 of 26 features above 0.9, 97.9 % of all ids; synthetic rows
-# written with other id hashes: 19 of 26). Features often missing stay lower either way (an empty
-# field is one frequent id).
+# 2,285 of 4,571 rows: C3, whose rare ids dominate a sample that small; 0.15 for 1,024 synthetic rows
+# of another seed against 4,096), while rows from another source put most features at 0.97-1.00 (real
+# Terabyte rows against that Kaggle vocabulary: 25 of 26 features above 0.9, 97.9 % of all ids; the
+# synthetic rows written with other id hashes: 21 of 26). Features often missing stay lower either
+# way (an empty field is one frequent id). tests/data/test_vocabulary_coverage.py repeats the first.
 DEFAULT_WARN_SHARE = 0.9
 METADATA_KEY = "out_of_vocabulary"  # in a mapped folder's metadata.json
 
