@@ -6,33 +6,38 @@ converted once into NumPy day files in a cache folder (:mod:`app.data.cache`, at
 bounded whatever the data size. Only ``predict`` reads raw TSV straight into memory (a file to
 score, possibly unlabelled).
 
-``data.frequency_threshold`` adds a vocabulary counted over the cached training rows and the
-cached splits mapped with it (:mod:`app.data.frequency_threshold`). The vocabulary is this module's
-checkpoint state (``state_dict``): it travels with checkpoints and exported models, and a restored
-one maps ``predict``'s ids, so that scoring needs neither the training data nor its cache.
+This module wires the data road's parts together, each in its own module: which files each split
+reads (:mod:`app.data.splits`), the tables' sizes (:mod:`app.data.table_sizes`), the conversion by
+the converting ranks behind the strategy's barrier (:mod:`app.data.conversion`) and the vocabulary of
+``data.frequency_threshold`` as checkpoint state (:mod:`app.data.vocabulary_state`). A checkpoint
+carries its table sizes and vocabulary: scoring or resuming it reads neither the training data nor
+its cache (the CLI sets both from the checkpoint before this module is set up).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import numpy as np
 import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from app.data.cache import DEFAULT_WAIT_S, CacheRequest, cached_days, read_metadata
+from app.data.cache import CacheRequest, cached_days, read_metadata
+from app.data.conversion import conversion_wait_s, convert_on_converting_ranks
 from app.data.dataset import CriteoBatches, EpochBatchSampler
 from app.data.formats import DataFormat, ReadOptions, open_days, read_tsv_split, rows_view
 from app.data.frequency_threshold import mapped_days, training_vocabulary
 from app.data.loader import ResumableBatchLoader, ignore_preemption_signals
 from app.data.numpy_days import NumpyDaysSource
 from app.data.preprocess import RAW_IDS, Vocabulary
-from app.data.source import RowSource, expand_table_sizes
+from app.data.source import RowSource
 from app.data.splits import SPLITS_BY_STAGE, SplitFiles, SplitName, part_rows, split_files
-from app.data.tsv import SPARSE_NAMES, CriteoArrays, DenseTransform, OnBadRows
+from app.data.table_sizes import SETTING as TABLE_SIZES_SETTING
+from app.data.table_sizes import TableSizeSetting, sizes_as_set, sizes_from_days, sizes_from_vocabulary
+from app.data.tsv import CriteoArrays, DenseTransform, OnBadRows
+from app.data.vocabulary_state import VocabularyState, warn_about_small_tables
 
 PathSpec = str | list[str]
 
@@ -66,7 +71,9 @@ class CriteoDataModule(LightningDataModule):
             ``auto``: from the training data, the exact number of distinct ids per feature (with
             ``frequency_threshold``, or for a folder preprocessed with one, its vocabulary sizes + 2).
             Each categorical id is taken modulo its table's size: with a threshold, a table smaller
-            than its vocabulary + 2 makes kept ids share rows (warned).
+            than its vocabulary + 2 makes kept ids share rows (warned). ``auto`` is counted in
+            ``setup``, on the converting ranks behind the strategy's barrier; with ``--ckpt_path`` the
+            sizes are the checkpoint's.
         num_workers: DataLoader worker processes per rank that assemble batches.
         shuffle: reshuffle the training data every epoch: whole global batches in a new order (the
             rows of a batch stay contiguous on disk, so reads stay sequential at any scale); rows,
@@ -92,7 +99,8 @@ class CriteoDataModule(LightningDataModule):
             references do (they use T = 3). Counted once over the cached training rows (only
             those); validation and test are cached mapped with that vocabulary; ``predict`` maps
             with the vocabulary saved in the checkpoint or exported model it scores with. Raw TSV
-            only; validate and test need ``train`` (or ``split``) set too, to find the vocabulary.
+            only. With ``--ckpt_path`` every split is mapped with the checkpoint's vocabulary (and its
+            threshold is taken); without one, validate and test count it over ``train`` (or ``split``).
     """
 
     def __init__(
@@ -105,7 +113,7 @@ class CriteoDataModule(LightningDataModule):
         root: str | None = None,
         format: DataFormat = "auto",
         batch_size: int = 4096,
-        num_embeddings_per_feature: int | list[int] | Literal["auto"] = 100_000,
+        num_embeddings_per_feature: TableSizeSetting = 100_000,
         num_workers: int = 0,
         shuffle: bool = True,
         seed: int = 0,
@@ -123,11 +131,8 @@ class CriteoDataModule(LightningDataModule):
             raise ValueError(f"data.num_workers = {num_workers} must be >= 0")
         if cache_workers is not None and cache_workers < 1:
             raise ValueError(f"data.cache_workers = {cache_workers} must be at least 1")
-        if frequency_threshold < 0:
-            raise ValueError(f"data.frequency_threshold = {frequency_threshold} must be >= 0 (0 = off)")
+        self.vocabulary_state = VocabularyState(frequency_threshold)
         self.frequency_threshold = frequency_threshold
-        self._vocabulary: Vocabulary | None = None  # the training split's, once counted or read
-        self._restored: dict[str, Any] | None = None  # this module's state in the checkpoint last restored
         self._unmapped_predict: CriteoArrays | None = None  # predict's raw ids, until a vocabulary maps them
         self._predict_place = (0, 1)  # (rank, world size) of the predict rows still to be mapped
         self.specs = {name: spec for name, spec in (("train", train), ("val", val), ("test", test), ("predict", predict)) if spec is not None}
@@ -143,9 +148,17 @@ class CriteoDataModule(LightningDataModule):
         self.seed = seed
         self.datasets: dict[str, CriteoBatches] = {}
         self.num_bad_rows_skipped = 0
-        # The model's tables take these sizes (app.cli links them once this module exists).
-        self.table_sizes = self._table_sizes(num_embeddings_per_feature)
-        self.options = ReadOptions(self.table_sizes, on_bad_rows, dense_transform)
+        # The model's tables take these sizes (app.cli links them once this module exists); None with
+        # `auto` until setup has read the training data (the model then builds its tables in its setup).
+        self.table_sizes: list[int] | None = sizes_as_set(num_embeddings_per_feature)
+        if self.table_sizes is None and not (self.specs.get("train") or self.split):
+            raise ValueError(f"{TABLE_SIZES_SETTING}: auto sizes the tables from the training data; set data.train or data.split")
+
+    @property
+    def options(self) -> ReadOptions:
+        """How rows are read: ids modulo the table sizes (known once setup has sized them)."""
+        assert self.table_sizes is not None, "the table sizes are known once setup has read the training data"
+        return ReadOptions(self.table_sizes, self.on_bad_rows, self.dense_transform)
 
     def _check_split_settings(self) -> None:
         if self.split is None:
@@ -157,48 +170,11 @@ class CriteoDataModule(LightningDataModule):
         if not Path(self.root).expanduser().exists():
             raise FileNotFoundError(f"data.root: {self.root} does not exist")
 
-    def _table_sizes(self, setting: int | list[int] | str) -> list[int]:
-        if setting != "auto":
-            return expand_table_sizes(setting, "data.num_embeddings_per_feature")  # type: ignore[arg-type]
-        try:
-            train = split_files(self.specs, self.split, self.root, self.format, ["train"])["train"]
-        except ValueError:
-            raise ValueError(
-                "data.num_embeddings_per_feature: auto sizes the tables from the training data; set data.train or data.split"
-            ) from None
-        if self.frequency_threshold:
-            self._check_threshold_applies(train)
-            sizes = self._training_vocabulary(convert=True).table_sizes
-            rank_zero_info(f"data.num_embeddings_per_feature: auto -> {sizes} (the vocabulary sizes + 2)")
-            return sizes
-        if train.format == "tsv":
-            folder = cached_days(self._cache_request(train))  # now: the model is built from these sizes
-        elif train.format == "numpy":
-            folder = train.files[0]
-        else:
-            raise ValueError("data.num_embeddings_per_feature: auto needs raw TSV or app.data.preprocess's NumPy days, not multi_hot")
-        metadata = read_metadata(folder)
-        sizes = metadata.get("num_embeddings_per_feature") or metadata["distinct_ids_per_feature"]
-        sizes = [max(1, int(size)) for size in sizes]
-        rank_zero_info(f"data.num_embeddings_per_feature: auto -> {sizes} (from {folder / 'metadata.json'})")
-        return sizes
-
     def _cache_request(self, files: SplitFiles) -> CacheRequest:
-        # Waiting for another node's conversion longer than the other ranks wait at the barrier would
-        # leave this rank converting after they have given up.
-        barrier_timeout_s = getattr(self.trainer.strategy, "barrier_timeout_s", None) if self.trainer else None
         return CacheRequest(
             files.files, self.dense_transform, self.on_bad_rows, self.cache_dir, self.cache_workers,
-            wait_s=barrier_timeout_s or DEFAULT_WAIT_S,
+            wait_s=conversion_wait_s(self.trainer),
         )
-
-    def _split_files(self, wanted: list[str] | tuple[str, ...]) -> dict[str, SplitFiles]:
-        """The files of the ``wanted`` splits that are set, refusing a threshold where it cannot apply."""
-        found = split_files(self.specs, self.split, self.root, self.format, wanted)
-        if self.frequency_threshold:
-            for files in found.values():
-                self._check_threshold_applies(files)
-        return found
 
     def _check_threshold_applies(self, files: SplitFiles) -> None:
         if files.format == "tsv":
@@ -216,32 +192,55 @@ class CriteoDataModule(LightningDataModule):
             "then follows its vocabulary), or read the raw TSV here, and leave data.frequency_threshold at 0"
         )
 
+    def _needs_training_data(self, stage: str) -> bool:
+        """Whether ``stage`` reads data.train beyond its own splits: to size `auto` tables, or to count the
+        vocabulary its splits are mapped with when no checkpoint brought one."""
+        counts_vocabulary = self.frequency_threshold and self.vocabulary_state.restored is None and stage in ("validate", "test")
+        return self.table_sizes is None or bool(counts_vocabulary)
+
     def _training_split(self) -> SplitFiles:
         try:
             train = split_files(self.specs, self.split, self.root, self.format, ["train"])["train"]
         except ValueError:
-            raise ValueError(
-                f"data.frequency_threshold = {self.frequency_threshold} maps ids with the vocabulary counted over "
-                "data.train: set data.train (or data.split) for this stage too"
-            ) from None
-        self._check_threshold_applies(train)
+            why = (f"{TABLE_SIZES_SETTING}: auto sizes the tables from the training data" if self.table_sizes is None else
+                   f"data.frequency_threshold = {self.frequency_threshold} maps ids with the vocabulary counted over data.train")
+            raise ValueError(f"{why}: set data.train (or data.split) for this stage too, or give --ckpt_path") from None
+        if self.frequency_threshold:
+            self._check_threshold_applies(train)
         return train
 
-    def _training_vocabulary(self, convert: bool) -> Vocabulary:
-        """The training split's vocabulary (counted once, then read from the cache)."""
-        if self._vocabulary is None:
+    def _vocabulary(self, convert: bool) -> Vocabulary:
+        """The vocabulary the ids are mapped with: the restored checkpoint's, else the training split's
+        (counted once, then read from the cache)."""
+        state = self.vocabulary_state
+        if state.vocabulary is None:
             train = self._training_split()
             where = train.setting if train.part == "all" else f"{train.setting} ({train.part} rows)"
             request = self._cache_request(train)
-            self._vocabulary = training_vocabulary(request, train.part, self.frequency_threshold, where, convert)
-        return self._vocabulary
+            state.counted = training_vocabulary(request, train.part, self.frequency_threshold, where, convert)
+        assert state.vocabulary is not None
+        return state.vocabulary
 
     def _cached_folder(self, files: SplitFiles, convert: bool) -> Path:
-        """The cached days of a raw TSV split: as converted, or mapped with the training vocabulary."""
+        """The cached days of a raw TSV split: as converted, or mapped with the vocabulary."""
         request = self._cache_request(files)
         if not self.frequency_threshold:
             return cached_days(request, convert)
-        return mapped_days(request, self._training_vocabulary(convert), convert)
+        self._vocabulary(convert)
+        return mapped_days(request, self.vocabulary_state.in_cache(request.folder.parent, write=convert), convert)
+
+    def _size_tables(self, convert: bool) -> None:
+        """Sets `auto` table sizes from the training data (its vocabulary, or its cached days' metadata)."""
+        if self.table_sizes is not None:
+            return
+        train = self._training_split()
+        if self.frequency_threshold:
+            self.table_sizes = sizes_from_vocabulary(self._vocabulary(convert))
+            rank_zero_info(f"{TABLE_SIZES_SETTING}: auto -> {self.table_sizes} (the vocabulary sizes + 2)")
+            return
+        folder = cached_days(self._cache_request(train), convert) if train.format == "tsv" else None
+        self.table_sizes, source = sizes_from_days(train, folder)
+        rank_zero_info(f"{TABLE_SIZES_SETTING}: auto -> {self.table_sizes} (from {source})")
 
     def check_inputs(self, stage: str) -> None:
         """Raises FileNotFoundError naming the setting for an input of ``stage`` that does not exist.
@@ -250,50 +249,33 @@ class CriteoDataModule(LightningDataModule):
         inputs); otherwise the error would come from ``setup``, after the launch.
         """
         self._files(stage)
+        if self._needs_training_data(stage):
+            self._training_split()  # where the sizes or the vocabulary come from: named before any launch
 
     def _files(self, stage: str) -> dict[str, SplitFiles]:
-        found = self._split_files(SPLITS_BY_STAGE[stage])
-        if self.frequency_threshold and stage in ("validate", "test"):
-            self._training_split()  # where the vocabulary comes from: named before any launch
+        """The files of the splits ``stage`` reads that are set, refusing a threshold where it cannot apply."""
+        found = split_files(self.specs, self.split, self.root, self.format, SPLITS_BY_STAGE[stage])
+        if self.frequency_threshold:
+            for files in found.values():
+                self._check_threshold_applies(files)
         return found
 
-    # No prepare_data hook: Lightning waits for it on a barrier that never times out (``_InfiniteBarrier``,
-    # a gloo group with a 10,000-day timeout), and a converting rank stuck there would hang the job; without
-    # the hook Lightning enters no such barrier. ``setup`` converts instead (without a Trainer, as it opens
-    # each split; under one, on the converting ranks behind the strategy's bounded barrier).
-
     def _convert(self, stage: str) -> None:
+        """Caches every raw TSV split ``stage`` reads (predict reads its file directly), and what sizing
+        the tables needs."""
+        self._size_tables(convert=True)
         for name, files in self._files(stage).items():
             if files.format == "tsv" and name != "predict":
                 self._cached_folder(files, convert=True)
 
-    def _convert_on_converting_ranks(self, stage: str) -> None:
-        """Local rank 0 of every node (``prepare_data_per_node``), or global rank 0, converts while the
-        others wait on the strategy's barrier (the app's is bounded: ``barrier_timeout_s``)."""
-        trainer = self.trainer
-        assert trainer is not None
-        converts = trainer.local_rank == 0 if self.prepare_data_per_node else trainer.global_rank == 0
-        error: Exception | None = None
-        if converts:
-            try:
-                self._convert(stage)
-            except Exception as failure:  # after the barrier: leaving now would leave the others waiting
-                error = failure
-        try:
-            trainer.strategy.barrier("cache_conversion")
-        except Exception:
-            if error is None:
-                raise
-        if error is not None:
-            raise error  # the others read it from cache.json (app.data.cache) and stop with it too
-
     def setup(self, stage: str) -> None:
         if self.trainer is not None:
-            self._convert_on_converting_ranks(stage)
-        rank, world_size = self._rank_and_world_size()
+            # The one conversion road: the converting ranks convert while the others wait at the barrier.
+            convert_on_converting_ranks(self.trainer, self.prepare_data_per_node, lambda: self._convert(stage))
         # Under a Trainer the converting ranks have converted (or failed to) before any rank gets here.
         convert = self.trainer is None
-        self._restored = None  # load_state_dict sets it if the run restores a checkpoint with this state
+        self._size_tables(convert)
+        rank, world_size = self._rank_and_world_size()
         reported: set[tuple[Path, ...]] = set()
         for name, files in self._files(stage).items():
             source, skipped, first_bad_row = self._open(name, files, convert)
@@ -305,12 +287,12 @@ class CriteoDataModule(LightningDataModule):
                 self.num_bad_rows_skipped = skipped
             start, stop = part_rows(files.part, len(source))
             if name == "predict" and self.frequency_threshold:
-                # Raw ids until the vocabulary is known: a checkpoint's arrives after setup (load_state_dict).
+                # Raw ids until the vocabulary is known: a checkpoint's may arrive after setup (load_state_dict).
                 self._unmapped_predict, self._predict_place = source, (rank, world_size)  # type: ignore[assignment]
                 continue
             self.datasets[name] = self._rank_batches(name, rows_view(source, start, stop), rank, world_size)
-        if self._vocabulary is not None:
-            self._warn_about_small_tables(self._vocabulary)
+        if self.frequency_threshold and self.vocabulary_state.vocabulary is not None:
+            warn_about_small_tables(self.vocabulary_state.vocabulary, self.table_sizes)
 
     def _rank_and_world_size(self) -> tuple[int, int]:
         """This process's place: the Trainer's; outside one, the process group's (a plain training
@@ -380,76 +362,39 @@ class CriteoDataModule(LightningDataModule):
             worker_init_fn=ignore_preemption_signals,  # as the other loaders' workers (app.data.loader)
         )
 
-    # ---- the vocabulary as checkpoint state -------------------------------------------------
+    # ---- the vocabulary as checkpoint state (app/data/vocabulary_state.py) -------------------
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of this module: the threshold and its vocabulary (nothing without a
         threshold). app.checkpoint writes the vocabulary's arrays beside the checkpoint's metadata."""
-        if not self.frequency_threshold:
-            return {}
-        vocabulary = self._vocabulary or (self._restored or {}).get("vocabulary")
-        return {"frequency_threshold": self.frequency_threshold, "vocabulary": vocabulary}
+        return self.vocabulary_state.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Takes a checkpoint's threshold and vocabulary (a :class:`Vocabulary`, or its plain form from an
-        exported model file); checked against this run's settings when the loaders are made."""
-        vocabulary = state_dict.get("vocabulary")
-        if vocabulary is not None and not isinstance(vocabulary, Vocabulary):
-            vocabulary = Vocabulary.from_plain(vocabulary)
-        self._restored = {"frequency_threshold": int(state_dict.get("frequency_threshold", 0)), "vocabulary": vocabulary}
+        exported model file). Before ``setup`` it maps every split of the run; after, it is checked
+        against the vocabulary the splits were mapped with when the loaders are made."""
+        self.vocabulary_state.load_state_dict(state_dict)
 
     def _check_restored_ids(self, same_vocabulary: bool) -> None:
-        """A restored checkpoint's ids must mean what this run's ids mean: the same threshold, and
-        (``same_vocabulary``: the splits cached with the training split's vocabulary) the same
-        vocabulary. Predict maps with the checkpoint's own, whatever data.train holds now."""
         path = None if self.trainer is None else self.trainer.ckpt_path
-        if path is None:
-            return
-        trained = (self._restored or {}).get("frequency_threshold", 0)
-        if trained != self.frequency_threshold:
-            how = f"its vocabulary maps the ids: set data.frequency_threshold {trained}" if trained else (
-                "raw hashed ids: set data.frequency_threshold 0")
-            raise ValueError(
-                f"ckpt_path {path} was trained with data.frequency_threshold = {trained}, this run has "
-                f"{self.frequency_threshold} ({how})"
-            )
-        restored = (self._restored or {}).get("vocabulary")
-        if trained and restored is None:
-            raise ValueError(f"ckpt_path {path}: trained with data.frequency_threshold = {trained} but holds no vocabulary")
-        if same_vocabulary and trained and self._vocabulary is not None and restored.sha256 != self._vocabulary.sha256:
-            raise ValueError(
-                f"ckpt_path {path} was trained with another vocabulary (sha256 {restored.sha256[:12]}) than the one "
-                f"data.frequency_threshold = {trained} counts over data.train now ({self._vocabulary.sha256[:12]}): "
-                "its ids would mean other things; use the training data of that checkpoint"
-            )
+        if path is not None:
+            self.vocabulary_state.check_restored(path, same_vocabulary)
 
     def _map_predict_ids(self) -> None:
-        """Maps predict's raw ids with the restored checkpoint's vocabulary (or, with no checkpoint, the
-        training split's, if this process has it), then takes them modulo the table sizes."""
-        restored = (self._restored or {}).get("vocabulary")
-        vocabulary = restored if restored is not None else self._vocabulary
-        if vocabulary is None:
-            raise ValueError(
-                f"data.frequency_threshold = {self.frequency_threshold}: predict maps ids with the vocabulary saved in "
-                "the checkpoint it scores with; give --ckpt_path (a checkpoint or model file trained with this threshold)"
-            )
+        """Maps predict's raw ids with the vocabulary (the restored checkpoint's, or with no checkpoint the
+        training split's, if this process has it)."""
         arrays, (rank, world_size) = self._unmapped_predict, self._predict_place
-        assert arrays is not None
-        self._warn_about_small_tables(vocabulary)
-        vocabulary.map(arrays.sparse, out=arrays.sparse)
-        np.remainder(arrays.sparse, np.asarray(self.table_sizes, dtype=np.int64), out=arrays.sparse)
+        assert arrays is not None and self.table_sizes is not None
+        self.vocabulary_state.map_raw_ids(arrays.sparse, self.table_sizes)
         self._unmapped_predict = None
         self.datasets["predict"] = self._rank_batches("predict", arrays, rank, world_size)
 
-    def _warn_about_small_tables(self, vocabulary: Vocabulary) -> None:
-        small = [
-            f"{SPARSE_NAMES[j]} ({self.table_sizes[j]} rows for {needed})"
-            for j, needed in enumerate(vocabulary.table_sizes)
-            if self.table_sizes[j] < needed
-        ]
-        if small:
-            rank_zero_warn(
-                f"data.num_embeddings_per_feature: tables smaller than their vocabulary + 2: {', '.join(small[:4])}"
-                f"{' ...' if len(small) > 4 else ''}; contiguous ids are taken modulo the table size, so kept ids "
-                "share rows there (auto gives each its own)"
-            )
+
+def counted_table_sizes(trainer: Any) -> list[int]:
+    """The table sizes the run's data module counted in its setup (``auto``), for a model whose tables
+    waited for them."""
+    datamodule = getattr(trainer, "datamodule", None)
+    sizes = datamodule.table_sizes if isinstance(datamodule, CriteoDataModule) else None
+    if sizes is None:
+        raise ValueError("model.num_embeddings_per_feature: not set, and no data module counted the table sizes")
+    return list(sizes)

@@ -33,6 +33,7 @@ from torchmetrics import MetricCollection
 from app.cli import run_cli
 from app.data.batches import CriteoBatch
 from app.model.dlrm import NUM_DENSE_FEATURES, build_embedding_bag_collection
+from app.data.datamodule import counted_table_sizes
 from app.model.tables import expand_table_sizes
 from app.notices import silence_library_notices
 from app.train.host_group import host_process_group
@@ -56,16 +57,19 @@ class LogisticRegressionModule(LightningModule):
 
     Args:
         num_embeddings_per_feature: rows of each of the 26 tables: the ids' hash buckets (one int
-            for all, or 26 ints). Linked from ``data.num_embeddings_per_feature``, as for the DLRM.
+            for all, or 26 ints). Linked from ``data.num_embeddings_per_feature``, as for the DLRM
+            (None, its ``auto``: the data module's count, the tables then built in ``setup``).
         optimizer: ``adagrad`` or ``sgd``, for the id weights (fused into the embedding backward by
             FBGEMM) and for the dense weights and bias (torch's) alike.
         learning_rate: the learning rate of both (of each id's weight: the kernel updates each of the
             row's 4 entries at a quarter of it).
     """
 
+    RUN_SETTINGS = frozenset({"learning_rate"})  # a later run may change it; the rest is the model's
+
     def __init__(
         self,
-        num_embeddings_per_feature: int | list[int] = 100_000,
+        num_embeddings_per_feature: int | list[int] | None = 100_000,
         optimizer: BaselineOptimizer = "adagrad",
         learning_rate: float = 0.05,
     ) -> None:
@@ -75,19 +79,24 @@ class LogisticRegressionModule(LightningModule):
         if not learning_rate > 0:
             raise ValueError(f"model.learning_rate = {learning_rate}: must be > 0")
         self.save_hyperparameters()
-        sizes = expand_table_sizes(num_embeddings_per_feature, "num_embeddings_per_feature")
-        # On the meta device, as the DLRM's: DistributedModelParallel materialises each table on its
-        # shard's rank (TorchRec's initialisation: uniform within +-1/sqrt(rows), near zero).
-        self.embeddings = build_embedding_bag_collection(ROW_WIDTH, sizes, "meta")
+        self.register_module("embeddings", None)  # its place among the submodules, whenever it is built
+        if num_embeddings_per_feature is not None:
+            self._build_embeddings(num_embeddings_per_feature)
         self.dense = nn.Linear(NUM_DENSE_FEATURES, 1)
         # Zero, as logistic regression starts: torch's default init would add a random dense logit of
         # several units on the log1p features (up to ~20) before the first step.
         nn.init.zeros_(self.dense.weight)
         nn.init.zeros_(self.dense.bias)
-        fuse_sparse_optimizer(self.embeddings.parameters(), optimizer, learning_rate / ROW_WIDTH)
         self._train_loss = RunningMean()
         self.val_metrics = build_eval_metrics("val/", "exact")
         self.test_metrics = build_eval_metrics("test/", "exact")
+
+    def _build_embeddings(self, num_embeddings_per_feature: int | list[int]) -> None:
+        sizes = expand_table_sizes(num_embeddings_per_feature, "num_embeddings_per_feature")
+        # On the meta device, as the DLRM's: DistributedModelParallel materialises each table on its
+        # shard's rank (TorchRec's initialisation: uniform within +-1/sqrt(rows), near zero).
+        self.embeddings = build_embedding_bag_collection(ROW_WIDTH, sizes, "meta")
+        fuse_sparse_optimizer(self.embeddings.parameters(), self.hparams.optimizer, self.hparams.learning_rate / ROW_WIDTH)
 
     def forward(self, batch: CriteoBatch) -> torch.Tensor:
         """Click logits (B,): the sum of the rows' id weights, plus the dense layer (with the bias)."""
@@ -95,6 +104,9 @@ class LogisticRegressionModule(LightningModule):
         return id_weights.sum(dim=1) + self.dense(batch.dense_features).squeeze(-1)
 
     def setup(self, stage: str) -> None:
+        if self.embeddings is None:  # `data.num_embeddings_per_feature: auto`: counted by the data module's setup
+            self.hparams.num_embeddings_per_feature = counted_table_sizes(self.trainer)
+            self._build_embeddings(self.hparams.num_embeddings_per_feature)
         if stage in ("fit", "validate", "test"):
             # Every rank gathers the exact AUC's predictions through a group that carries host
             # tensors (as the DLRM's metrics; called on every rank: a collective).

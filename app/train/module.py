@@ -11,6 +11,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MetricCollection
 
 from app.data.batches import CriteoBatch
+from app.data.datamodule import counted_table_sizes
 from app.model.compile import (
     FirstStepTimer,
     check_compile_mode,
@@ -65,8 +66,9 @@ class DLRMModule(LightningModule):
             paper's alternative), ``dcn`` (DCNv2 low-rank cross layers) or ``projection``.
         embedding_dim: D, the width of every embedding table and of the bottom MLP's output.
         num_embeddings_per_feature: rows of each of the 26 tables (one int for all, or 26 ints; fewer
-            ints give tables for the first features only, for benchmarks). Normally linked from
-            ``data.num_embeddings_per_feature``.
+            ints give tables for the first features only, for benchmarks). Linked from
+            ``data.num_embeddings_per_feature``; None (its ``auto``): the data module's count, known in
+            ``setup``, where the tables are then built.
         dense_arch_layer_sizes: bottom MLP layer sizes over the 13 dense features; must end with D.
         over_arch_layer_sizes: top MLP layer sizes; must end with 1.
         dcn_num_layers: cross layers of the ``dcn`` interaction.
@@ -135,11 +137,20 @@ class DLRMModule(LightningModule):
             truth has pairwise effects: see docs/quality.md.
     """
 
+    # How a run trains or evaluates, not what the model is: a run from a checkpoint may set these anew
+    # (app/checkpoint/saved_model.py); every other hyper-parameter is the checkpoint's.
+    RUN_SETTINGS = frozenset({
+        "sparse_learning_rate", "dense_optimizer", "dense_learning_rate", "sparse_weight_decay",
+        "sparse_weight_decay_mode", "dense_weight_decay", "dense_weight_decay_mode", "eval_metrics",
+        "auc_num_thresholds", "pipeline", "semi_sync_start_step", "lr_warmup_steps", "lr_decay_start",
+        "lr_decay_steps", "lr_decay_power", "lr_decay_end_factor", "compile", "compile_mode",
+    })  # fmt: skip
+
     def __init__(
         self,
         interaction: Interaction = "dot",
         embedding_dim: int = 64,
-        num_embeddings_per_feature: int | list[int] = 100_000,
+        num_embeddings_per_feature: int | list[int] | None = 100_000,
         dense_arch_layer_sizes: list[int] = [512, 256, 64],
         over_arch_layer_sizes: list[int] = [512, 512, 256, 1],
         dcn_num_layers: int = 3,
@@ -185,32 +196,61 @@ class DLRMModule(LightningModule):
         self.lr_schedule = LRSchedule(
             lr_warmup_steps, lr_decay_start, lr_decay_steps, lr_decay_power, lr_decay_end_factor
         )
+        self._first_compiled_step = FirstStepTimer()
+        self._fused_step_count = FusedStepCount()
+        # Sizes None (`data.num_embeddings_per_feature: auto`): the model is built in setup, once the data
+        # module has counted them behind the strategy's barrier. Its dense layers then draw their initial
+        # weights from the random state of now, as when built here: the same model whether sizes were set
+        # or counted.
+        self._rng_state_at_init = torch.get_rng_state()
+        self._waits_for_table_sizes = num_embeddings_per_feature is None
+        if not self._waits_for_table_sizes:
+            self._build_model(num_embeddings_per_feature)
+        else:
+            # A stand-in of one row per table, all on the meta device and drawing nothing from the random
+            # state: its settings are checked now, before any launch, not once the sizes are known.
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                self._build_model(1)
+        self.val_metrics = build_eval_metrics("val/", eval_metrics, auc_num_thresholds)
+        self.test_metrics = build_eval_metrics("test/", eval_metrics, auc_num_thresholds)
+
+    def _build_model(self, num_embeddings_per_feature: int | list[int]) -> None:
+        """The DLRM with its tables on the meta device and the sparse optimizer fused into them."""
+        hp = self.hparams
         self.model = build_dlrm(
-            interaction=interaction,
-            embedding_dim=embedding_dim,
+            interaction=hp.interaction,
+            embedding_dim=hp.embedding_dim,
             num_embeddings_per_feature=expand_table_sizes(
                 num_embeddings_per_feature, "num_embeddings_per_feature", require_all=False
             ),
-            dense_arch_layer_sizes=dense_arch_layer_sizes,
-            over_arch_layer_sizes=over_arch_layer_sizes,
-            dcn_num_layers=dcn_num_layers,
-            dcn_low_rank_dim=dcn_low_rank_dim,
-            interaction_branch1_layer_sizes=interaction_branch1_layer_sizes,
-            interaction_branch2_layer_sizes=interaction_branch2_layer_sizes,
+            dense_arch_layer_sizes=hp.dense_arch_layer_sizes,
+            over_arch_layer_sizes=hp.over_arch_layer_sizes,
+            dcn_num_layers=hp.dcn_num_layers,
+            dcn_low_rank_dim=hp.dcn_low_rank_dim,
+            interaction_branch1_layer_sizes=hp.interaction_branch1_layer_sizes,
+            interaction_branch2_layer_sizes=hp.interaction_branch2_layer_sizes,
             embedding_device="meta",
-            embedding_precision=embedding_precision,
-            first_order=first_order,
-            second_order=second_order,
+            embedding_precision=hp.embedding_precision,
+            first_order=hp.first_order,
+            second_order=hp.second_order,
         )
-        self._first_compiled_step = FirstStepTimer()
-        self._fused_step_count = FusedStepCount()
         # Set before sharding: the sharder reads it to build the update into the embedding kernels.
         fuse_sparse_optimizer(
-            self.model.sparse_arch.parameters(), sparse_optimizer, sparse_learning_rate,
-            sparse_weight_decay, sparse_weight_decay_mode,
+            self.model.sparse_arch.parameters(), hp.sparse_optimizer, hp.sparse_learning_rate,
+            hp.sparse_weight_decay, hp.sparse_weight_decay_mode,
         )  # fmt: skip
-        self.val_metrics = build_eval_metrics("val/", eval_metrics, auc_num_thresholds)
-        self.test_metrics = build_eval_metrics("test/", eval_metrics, auc_num_thresholds)
+
+    def _build_model_with_counted_sizes(self) -> None:
+        """Builds the tables that waited for `auto` sizes, with the data module's count; the checkpoint's
+        hyper-parameters then record the sizes, so that it carries its model."""
+        if not self._waits_for_table_sizes:
+            return
+        sizes = counted_table_sizes(self.trainer)
+        self.hparams.num_embeddings_per_feature = sizes
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self._rng_state_at_init)
+            self._build_model(sizes)
+        self._waits_for_table_sizes = False
 
     def forward(self, batch: CriteoBatch) -> torch.Tensor:
         """Click logits (B,) for a batch."""
@@ -234,6 +274,7 @@ class DLRMModule(LightningModule):
             check_compile_supported(device_type, self.hparams.compile_mode)
 
     def setup(self, stage: str) -> None:
+        self._build_model_with_counted_sizes()  # the data module's setup has run: Lightning calls it first
         device_type = self.trainer.strategy.root_device.type
         self.check_before_launch(device_type, stage)
         if self.hparams.compile and not compiled_layer_names(self.model):
