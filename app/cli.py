@@ -12,8 +12,10 @@ Examples::
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, Trainer
@@ -24,6 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from app.checkpoint.best import BEST, find_best_checkpoint
 from app.checkpoint.preemption import SaveOnSignal
+from app.checkpoint.saved_model import SavedModel, read_saved_model, settings_from_checkpoint
 from app.data.datamodule import CriteoDataModule
 from app.distributed.health import RankHealth
 from app.distributed.strategy import TorchRecStrategy
@@ -48,6 +51,8 @@ class DLRMCLI(LightningCLI):
     A run owns ``trainer.default_root_dir``: loggers without a ``save_dir`` and the checkpoint group
     without a ``dirpath`` write under it (``checkpoints/``), so that one flag moves everything.
     """
+
+    saved_model: SavedModel | None = None  # what --ckpt_path holds, read once (before_instantiate_classes)
 
     def add_arguments_to_parser(self, parser) -> None:
         # The data hashes ids modulo the table sizes, so the model's tables must have exactly these sizes;
@@ -86,9 +91,37 @@ class DLRMCLI(LightningCLI):
         _check_last_can_be_found(config)
         if config.get("ckpt_path") == BEST:
             config.ckpt_path = _best_checkpoint_path(config)
+        self.saved_model = self._take_model_from_checkpoint(config)
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's version reads an exported file's hyper-parameters into the model's settings, before
+        the table sizes are linked over them from the data; :meth:`_take_model_from_checkpoint` does it
+        for checkpoint folders and exported files alike, with the sizes and the vocabulary."""
+
+    def _take_model_from_checkpoint(self, config: Any) -> SavedModel | None:
+        """The model ``--ckpt_path`` holds, its settings taken into this run's (a contradicting one refused),
+        so that no stage reads the training data to rebuild what the checkpoint carries."""
+        path = _checkpoint_file(config)
+        if path is None:
+            return None
+        saved = read_saved_model(path)
+        taken = settings_from_checkpoint(
+            saved,
+            model=config.model.as_dict(), model_defaults=_init_defaults(self.model_class),
+            data=config.data.as_dict(), data_defaults=_init_defaults(self.datamodule_class),
+            run_settings=self.model_class.RUN_SETTINGS,
+        )
+        for key, value in taken.model.items():
+            config.model[key] = value
+        for key, value in taken.data.items():
+            config.data[key] = value
+        if taken.taken:
+            rank_zero_info(f"ckpt_path {path}: the model's settings as saved: {'; '.join(taken.taken)}")
+        return saved
 
     def instantiate_classes(self) -> None:
         super().instantiate_classes()
+        self._hand_over_checkpoint()
         # Before Lightning starts the other ranks: a refused setting or a missing file then costs no
         # launch, and leaves no worker behind.
         if isinstance(self.trainer.strategy, TorchRecStrategy):
@@ -103,6 +136,17 @@ class DLRMCLI(LightningCLI):
         for callback in self.trainer.callbacks:
             if isinstance(callback, SaveOnSignal):
                 callback.install(self.trainer)
+
+    def _hand_over_checkpoint(self) -> None:
+        """The checkpoint read once: its vocabulary maps every split from the data module's setup on (no
+        recount), and the strategy plans and loads from its metadata without reading it again."""
+        saved = self.saved_model
+        if saved is None:
+            return
+        if saved.data_state and isinstance(self.datamodule, CriteoDataModule):
+            self.datamodule.load_state_dict(saved.data_state)
+        if saved.info is not None and isinstance(self.trainer.strategy, TorchRecStrategy):
+            self.trainer.strategy.use_checkpoint_info(saved.path, saved.info)
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
         if config.get("enable_checkpointing") is False:
@@ -120,6 +164,22 @@ class DLRMCLI(LightningCLI):
 def _as_list(setting: Any) -> list[Any]:
     """A trainer setting that takes None, one item or a list (``callbacks``, ``logger``), as a list."""
     return [] if setting is None else setting if isinstance(setting, list) else [setting]
+
+
+def _checkpoint_file(config: Any) -> str | None:
+    """The checkpoint ``ckpt_path`` names, as a path: ``last`` is the run's ``last.ckpt`` (None when there
+    is none yet: a first start); None without one."""
+    path = config.get("ckpt_path")
+    if path == "last":
+        last = Path(config.checkpoint.dirpath) / "last.ckpt"
+        return str(last) if last.exists() else None
+    return None if path is None else str(path)
+
+
+def _init_defaults(cls: type) -> dict[str, Any]:
+    """The default of each ``__init__`` argument of ``cls``: what a setting is when not given."""
+    parameters = inspect.signature(cls.__init__).parameters.values()
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
 
 
 def _choose_precision(trainer: Any) -> None:
@@ -185,7 +245,8 @@ def cli_main(args: list[str] | None = None) -> DLRMCLI:
 
 
 def run_cli(model_class: type, args: list[str] | None = None) -> DLRMCLI:
-    """``DLRMCLI`` with ``model_class`` as the model (the DLRM, or the quality bench's baseline) and the app's
+    """``DLRMCLI`` with ``model_class`` as the model (the DLRM, or the quality bench's baseline: each names its
+    ``RUN_SETTINGS``, the hyper-parameters a later run may change without changing the model) and the app's
     defaults; a bad setting or file ends the command with one ``error:`` line and exit status 2."""
     try:
         return DLRMCLI(

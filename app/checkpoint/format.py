@@ -73,6 +73,13 @@ class CheckpointInfo:
     meta: dict[str, Any]  # Lightning's checkpoint dict without its tensors, plus the fields below
     sharding_plan: ShardingPlan
     world_size: int
+    index: Metadata  # DCP's index of the saved tensors: their names and shapes
+
+    @property
+    def global_step(self) -> int | None:
+        """Lightning's count of training updates when it was saved."""
+        step = self.meta.get("global_step")
+        return None if step is None else int(step)
 
 
 # ---- writing ---------------------------------------------------------------------------------
@@ -261,7 +268,8 @@ def read(path: str | os.PathLike, module: nn.Module | None = None) -> Checkpoint
     if module is not None:
         check_fits_model(path, index, meta, module)
     return CheckpointInfo(
-        path=str(folder), meta=meta, sharding_plan=plan_from_json(meta["sharding_plan"]), world_size=meta["world_size"]
+        path=str(folder), meta=meta, sharding_plan=plan_from_json(meta["sharding_plan"]), world_size=meta["world_size"],
+        index=index,
     )
 
 
@@ -357,20 +365,21 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
 
 def load_sharded_state(
-    checkpoint_dir: str | os.PathLike,
+    info: CheckpointInfo,
     module: nn.Module,
     optimizers: list[Any],
-    saved_plan: ShardingPlan,
     current_plan: ShardingPlan | None,
     process_group: Any = None,
 ) -> None:
-    """Loads the DCP tensors of ``checkpoint_dir`` into the sharded ``module`` and its ``optimizers``.
+    """Loads the DCP tensors of the checkpoint ``info`` describes into the sharded ``module`` and its
+    ``optimizers``.
 
-    Every rank reads the pieces of the saved shards that overlap its own. ``saved_plan`` is the plan
-    the checkpoint was written under, ``current_plan`` the one ``module`` is sharded with;
+    Every rank reads the pieces of the saved shards that overlap its own. ``info.sharding_plan`` is the
+    plan the checkpoint was written under, ``current_plan`` the one ``module`` is sharded with;
     ``process_group`` carries DCP's collectives (None: the default group).
     """
     assert current_plan is not None
+    checkpoint_dir, saved_plan = info.path, info.sharding_plan
     if _plan_json_by_rank(saved_plan) != _plan_json_by_rank(current_plan):
         # The fused optimizer's state keys and shapes follow the plan (torchrec#2394): app/checkpoint/reshard.py maps them.
         load_resharded(
@@ -387,10 +396,10 @@ def load_sharded_state(
         module.load_state_dict(tensors["state_dict"])
         for optimizer, state in zip(optimizers, tensors.get("optimizer_states", [])):
             optimizer.load_state_dict(state)
-    restore_fused_optimizer_step(checkpoint_dir, optimizers)
+    restore_fused_optimizer_step(info.global_step, optimizers)
 
 
-def restore_fused_optimizer_step(checkpoint_dir: str | os.PathLike, optimizers: list[Any]) -> None:
+def restore_fused_optimizer_step(step: int | None, optimizers: list[Any]) -> None:
     """Sets the step count of FBGEMM's fused embedding optimizers to the checkpoint's ``global_step``.
 
     FBGEMM's Adam takes its bias correction (1 - beta ** step) from the kernel's ``iter`` buffer, which
@@ -404,11 +413,7 @@ def restore_fused_optimizer_step(checkpoint_dir: str | os.PathLike, optimizers: 
     training steps in the run that wrote the checkpoint too. FBGEMM copies ``iter`` into the count
     it computes with at the first forward after construction, which is the first forward after a resume.
     """
-    if not optimizers:
-        return
-    meta = json.loads((Path(checkpoint_dir) / META_FILE).read_text())
-    step = meta.get("global_step")
-    if step is None:
+    if not optimizers or step is None:
         return
     for optimizer in optimizers:
         if hasattr(optimizer, "set_optimizer_step"):

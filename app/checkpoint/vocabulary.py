@@ -70,3 +70,13 @@ def trained_threshold(meta: dict[str, Any]) -> int:
     """The data.frequency_threshold a checkpoint was trained with (0: none)."""
     thresholds = [meta[key].get("frequency_threshold", 0) for key in _states_with_vocabulary(meta)]
     return int(max(thresholds, default=0))
+
+
+def data_module_state(contents: dict[str, Any]) -> dict[str, Any]:
+    """The data module's checkpoint state in a checkpoint's metadata or an exported file (Lightning keeps
+    it under the module's class name): ``{"frequency_threshold": T, "vocabulary": ...}``, or {} when the
+    run had no threshold."""
+    for value in contents.values():
+        if isinstance(value, dict) and "frequency_threshold" in value:
+            return value
+    return {}

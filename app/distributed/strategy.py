@@ -158,6 +158,8 @@ class TorchRecStrategy(ParallelStrategy):
         # checkpoint to the strategy only after setup, but the plan must be chosen before (see _shard).
         self.requested_ckpt_path: str | None = None
         self._dmp: DistributedModelParallel | None = None
+        # (path, metadata) of the checkpoint being loaded: read once, for the plan and for the load.
+        self._checkpoint_read: tuple[str, CheckpointInfo] | None = None
         self._run_lock: RunFolderLock | None = None  # held by global rank 0 while fitting
 
     # ---- processes -------------------------------------------------------------------------
@@ -489,13 +491,23 @@ class TorchRecStrategy(ParallelStrategy):
         info = self._checkpoint_info(checkpoint_path, self.lightning_module)
         optimizers = self.optimizers if "optimizer_states" in info.meta["tensor_keys"] else []
         checkpoint_format.load_sharded_state(
-            info.path, self.lightning_module, optimizers, info.sharding_plan, self.sharding_plan,
-            process_group=self.checkpoint_process_group,
+            info, self.lightning_module, optimizers, self.sharding_plan, process_group=self.checkpoint_process_group
         )
+        self._checkpoint_read = None  # this load is done: a later one (the file rewritten since) reads afresh
         return info.meta
 
-    def _checkpoint_info(self, checkpoint_path: Any, module: LightningModule | None = None) -> CheckpointInfo:
-        """Rank 0 reads and checks the checkpoint; every rank gets the result or raises the same error."""
+    def use_checkpoint_info(self, checkpoint_path: str, info: CheckpointInfo) -> None:
+        """Takes a checkpoint's metadata read by every process before the launch (the CLI reads it to build
+        the checkpoint's model), so that planning and loading do not read it again."""
+        self._checkpoint_read = (str(checkpoint_path), info)
+
+    def _checkpoint_info(self, checkpoint_path: Any, module: LightningModule) -> CheckpointInfo:
+        """The checkpoint's metadata, read once per load and checked against ``module`` (every rank raises
+        the same error): as handed over by :meth:`use_checkpoint_info`, else read by rank 0 and broadcast."""
+        if self._checkpoint_read is not None and self._checkpoint_read[0] == str(checkpoint_path):
+            info = self._checkpoint_read[1]
+            checkpoint_format.check_fits_model(checkpoint_path, info.index, info.meta, module)  # the same on every rank
+            return info
         result: CheckpointInfo | str
         if self.is_global_zero:
             try:
@@ -507,6 +519,7 @@ class TorchRecStrategy(ParallelStrategy):
         result = self.broadcast(result)
         if isinstance(result, str):
             raise ValueError(result)
+        self._checkpoint_read = (str(checkpoint_path), result)
         return result
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
