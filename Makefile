@@ -107,9 +107,10 @@ COMPAT_TORCH_INDEX ?=
 # The multi-process tests that matter on another stack: sharded fit, sharded == unsharded, resume,
 # predict from a sharded checkpoint, the planner with the hardware presets; which optimizers run
 # fused under that torch; and the speed levers' settings (compile, qcomms, fp16 tables, UVM caching).
-COMPAT_TESTS := tests/test_sharding.py tests/test_resume.py tests/test_topology.py \
-	tests/test_train.py::test_predict_writes_one_probability_per_row_in_order tests/test_optimizers.py \
-	tests/test_compile.py tests/test_qcomms.py tests/test_embedding_tables.py
+COMPAT_TESTS := tests/distributed/test_sharding.py tests/checkpoint/test_resume.py \
+	tests/distributed/test_topology.py tests/cli/test_train.py::test_predict_writes_one_probability_per_row_in_order \
+	tests/train/test_optimizers.py tests/model/test_compile.py tests/distributed/test_qcomms.py \
+	tests/distributed/test_embedding_tables.py
 
 .venv-compat-%/.installed: requirements-compat-%.txt requirements.txt requirements-dev.txt
 	test -x .venv-compat-$*/bin/python || $(PYTHON) -m venv .venv-compat-$*

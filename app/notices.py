@@ -3,7 +3,7 @@ about the run: silenced, each by its exact message (with its category and emitti
 has them) and the reason it is harmless, in every process of the app (``python -m app`` and the
 ranks Lightning starts as ``python -m app`` again) and of the benchmark.
 
-``tests/test_warnings.py`` proves the fbgemm autograd notice harmless and checks that a real
+``tests/cli/test_warnings.py`` proves the fbgemm autograd notice harmless and checks that a real
 2-process fit prints none of these.
 """
 
@@ -26,7 +26,7 @@ def silence_library_notices() -> None:
     # SplitLookupFunction_Dense_Op::apply(...), a torch::autograd::Function whose backward is
     # split_embedding_backward_codegen_dense_cpu (embedding_backward_dense_host_cpu.cpp). Its output
     # already requires grad, so the fallback only hooks a warning onto it; the gradient is fbgemm's.
-    # Proof: tests/test_warnings.py, test_dense_lookup_gradient_is_fbgemms_own_and_exact (the op's
+    # Proof: tests/cli/test_warnings.py, test_dense_lookup_gradient_is_fbgemms_own_and_exact (the op's
     # gradient == nn.EmbeddingBag's, exactly) and test_replicated_tables_train_like_one_process
     # (2 ranks, every table data_parallel == 1 process, unsharded, under plain SGD).
     warnings.filterwarnings(
@@ -36,7 +36,7 @@ def silence_library_notices() -> None:
         module=r"torch\.autograd",
     )
     # The pipelined training step takes Lightning's dataloader_iter on purpose (app/train/pipeline.py);
-    # Lightning 2.6.6 is pinned and tests/test_pipeline.py checks what the app relies on.
+    # Lightning 2.6.6 is pinned and tests/train/test_pipeline.py checks what the app relies on.
     warnings.filterwarnings(
         "ignore",
         message="Found `dataloader_iter` argument in the `training_step`",

@@ -61,6 +61,6 @@ def sample(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def checkpoint_writer(sample, tmp_path_factory) -> dict:
     """A 2-process run that saved sharded checkpoints at steps 8 and 16 (tests/reshard_runs.py)."""
-    from reshard_runs import run_writer
+    from tests.reshard_runs import run_writer
 
     return run_writer(sample, tmp_path_factory.mktemp("writer"))

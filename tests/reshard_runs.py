@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from multiprocess import run_on_ranks
-from test_sharding import fit_args, shards_and_predictions
+from tests.multiprocess import run_on_ranks
+from tests.distributed.test_sharding import fit_args, shards_and_predictions
 
 GLOBAL_BATCH = 96  # divisible by 1, 2 and 3 processes; 1,536 rows = 16 steps per epoch
 SPLIT_TABLE = "t_cat_1"  # min_partition 4 of 8 columns: two column shards on any world size
@@ -42,7 +42,7 @@ def eval_args(sample, root: Path, subcommand: str, world_size: int, checkpoint, 
     """``validate``/``test``/``predict`` from ``checkpoint``; predict scores the validation rows."""
     args = fit_args(sample, root, "table_wise", GLOBAL_BATCH // world_size)
     args[0] = subcommand
-    args.remove("--trainer.callbacks+=embedding_init.ReferenceEmbeddings")
+    args.remove("--trainer.callbacks+=tests.embedding_init.ReferenceEmbeddings")
     args[args.index("--data.predict") + 1] = str(sample["val"])
     return args + plan + ["--ckpt_path", str(checkpoint)]
 

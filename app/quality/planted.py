@@ -25,7 +25,7 @@ from app.data.tsv import NUM_DENSE, NUM_SPARSE, CriteoArrays, OnBadRows, iter_ts
 # Table sizes that leave the reader's 32-bit hashed ids as they are written (id mod 2**32 = id).
 _RAW_ID_SIZES = [2**32] * NUM_SPARSE
 # The reader turns a missing id into 0, and no id of the generator's world hashes to 0
-# (tests/test_quality_bench.py checks it), so 0 means missing.
+# (tests/quality/test_quality_bench.py checks it), so 0 means missing.
 _MISSING_ID = 0
 
 

@@ -172,7 +172,7 @@ def check_sparse_weight_decay_device(sparse_weight_decay: float, device_type: st
     embedding_backward_split_cpu_template.cpp) takes a fast path for fp32 tables that serve one feature,
     which every table of this app is, and calls fbgemm's SparseAdaGrad with ``weight_decay=0``: neither
     mode applies there (its GPU kernels apply both). The other CPU kernels (adagrad, sgd) have no decay
-    at all. tests/test_weight_decay.py keeps the observation true for the installed FBGEMM.
+    at all. tests/train/test_weight_decay.py keeps the observation true for the installed FBGEMM.
     """
     if sparse_weight_decay and device_type == "cpu":
         raise ValueError(

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from gpu_env import library_version, no_gpu_reason
+from tests.gpu.gpu_env import library_version, no_gpu_reason
 
 DEFAULT_REPORT = Path("runs/gpu-report.json")
 REPORT_ENV = "GPU_REPORT"
@@ -153,7 +153,7 @@ def app_runs(_gpu_or_skip, tmp_path_factory):
     """``app_runs(name, world_size, args, prepare=None)``: ``python -m app`` run once per name in the
     session, in a folder of its own (``{root}`` in ``args``; ``prepare(root)`` is called first), each
     rank's ``trained_state``. Checks that compare two runs share the runs they have in common."""
-    from gpu_runs import run_app, trained_state
+    from tests.gpu.gpu_runs import run_app, trained_state
 
     done: dict[str, list[dict]] = {}
 
@@ -170,18 +170,18 @@ def app_runs(_gpu_or_skip, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference_args(sample) -> list[str]:
-    """The reference fit on one GPU: the CPU suite's tiny model (26 tables x 500 x 8, tests/test_sharding.py)
+    """The reference fit on one GPU: the CPU suite's tiny model (26 tables x 500 x 8, tests/distributed/test_sharding.py)
     on its 1,536-row sample, 128 rows per step (12 steps per epoch), 2 epochs, validating twice an
     epoch, row-wise Adagrad for the tables and SGD for the MLPs, TorchRec's sparse_dist pipeline
     (``auto`` on GPUs, named here so that the pipeline checks change one setting), the reference
     tables copied in at the start and the training probe recording every step."""
-    from gpu_runs import GPU
-    from test_sharding import fit_args
+    from tests.gpu.gpu_runs import GPU
+    from tests.distributed.test_sharding import fit_args
 
     return fit_args(sample, Path("{root}"), "table_wise", 128) + GPU + [
         "--model.pipeline", "sparse_dist",
         "--trainer.val_check_interval", "0.5",
-        "--trainer.callbacks+=training_probe.TrainingProbe",
+        "--trainer.callbacks+=tests.training_probe.TrainingProbe",
     ]  # fmt: skip
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from multiprocess import cli_worker, rendezvous_port, run_folder
+from tests.multiprocess import cli_worker, rendezvous_port, run_folder
 
 Inspect = Callable[[Any], dict[str, Any]]
 # One run of the tiny model is start-up (imports, CUDA context, planning) plus a few seconds of

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 
-from gpu_env import gpu_count
+from tests.gpu.gpu_env import gpu_count
 
 pytestmark = pytest.mark.gpu
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_runs import GPU, losses, max_abs_difference, with_settings
-from reshard_runs import eval_args, plan_args
+from tests.gpu.gpu_runs import GPU, losses, max_abs_difference, with_settings
+from tests.reshard_runs import eval_args, plan_args
 
 pytestmark = pytest.mark.gpu
 
@@ -51,7 +51,7 @@ def _last(run: dict) -> str:
 
 def _evaluate(args: list[str], subcommand: str, checkpoint: str) -> list[str]:
     evaluated = [subcommand, *args[1:], "--ckpt_path", checkpoint]
-    evaluated.remove("--trainer.callbacks+=embedding_init.ReferenceEmbeddings")  # fit-only; not to overwrite what is loaded
+    evaluated.remove("--trainer.callbacks+=tests.embedding_init.ReferenceEmbeddings")  # fit-only; not to overwrite what is loaded
     return evaluated
 
 

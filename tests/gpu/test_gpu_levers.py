@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 
-from gpu_env import needs_gpus
-from gpu_runs import losses, max_abs_difference, plan_report, with_settings
+from tests.gpu.gpu_env import needs_gpus
+from tests.gpu.gpu_runs import losses, max_abs_difference, plan_report, with_settings
 
 pytestmark = pytest.mark.gpu
 
@@ -79,11 +79,11 @@ def test_uvm_caching_tables_train_to_the_hbm_tables_probabilities(app_runs, refe
 
 @needs_gpus(2)
 def test_bf16_communication_trains_close_to_uncompressed_on_two_gpus(app_runs, sample, reference, record_property):
-    from gpu_runs import GPU
-    from test_sharding import fit_args
+    from tests.gpu.gpu_runs import GPU
+    from tests.distributed.test_sharding import fit_args
 
     args = fit_args(sample, "{root}", "table_wise", 64) + GPU + [
-        "--model.pipeline", "sparse_dist", "--trainer.callbacks+=training_probe.TrainingProbe",
+        "--model.pipeline", "sparse_dist", "--trainer.callbacks+=tests.training_probe.TrainingProbe",
         "--trainer.strategy.init_args.qcomms", "{forward_precision: bf16, backward_precision: bf16}",
     ]  # fmt: skip
     ranks = app_runs("qcomms_bf16_2", 2, args)

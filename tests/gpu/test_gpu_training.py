@@ -19,9 +19,9 @@ import math
 import numpy as np
 import pytest
 
-from gpu_env import needs_gpus
-from gpu_runs import GPU, losses, max_abs_difference, plan_report, plan_shards, with_settings
-from test_sharding import fit_args
+from tests.gpu.gpu_env import needs_gpus
+from tests.gpu.gpu_runs import GPU, losses, max_abs_difference, plan_report, plan_shards, with_settings
+from tests.distributed.test_sharding import fit_args
 
 pytestmark = pytest.mark.gpu
 
@@ -160,7 +160,7 @@ def test_a_sharded_fit_on_several_gpus_matches_one_gpu(world_size, sharding_type
     args = fit_args(sample, "{root}", sharding_type, 128 // world_size) + GPU + [
         "--model.pipeline", "sparse_dist",
         "--trainer.val_check_interval", "0.5",
-        "--trainer.callbacks+=training_probe.TrainingProbe",
+        "--trainer.callbacks+=tests.training_probe.TrainingProbe",
     ]  # fmt: skip
     ranks = app_runs(f"sharded_{sharding_type}_{world_size}", world_size, args)
     for rank in ranks:

@@ -1,6 +1,6 @@
 """Weight decay in FBGEMM's GPU embedding kernels: after DMP shards the app's table with the decay fused
 as the app fuses it (model.sparse_weight_decay), one step moves the looked-up rows by the amount worked
-out by hand in tests/test_weight_decay.py (``by_hand``) and leaves the other rows alone. On CPU FBGEMM
+out by hand in tests/train/test_weight_decay.py (``by_hand``) and leaves the other rows alone. On CPU FBGEMM
 drops the decay, which the CPU suite shows and the app refuses there."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
 
-from test_weight_decay import by_hand, sharded_table, train_one_step
+from tests.train.test_weight_decay import by_hand, sharded_table, train_one_step
 
 # Skipped without a usable GPU by tests/gpu/conftest.py, with the reason, as every check of this folder.
 pytestmark = pytest.mark.gpu

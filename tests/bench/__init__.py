@@ -1,0 +1,1 @@
+"""Tests of app/bench: make bench and the quality guard."""

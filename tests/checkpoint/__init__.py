@@ -1,0 +1,1 @@
+"""Tests of app/checkpoint: the format, resume, resharding, export, the run lock and pre-emption."""

@@ -1,0 +1,1 @@
+"""Tests of app/model: the DLRM variants and their compiled dense layers."""

@@ -1,0 +1,1 @@
+"""Tests of app/quality: the recipe beside the logistic-regression baseline."""
