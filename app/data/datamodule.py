@@ -37,6 +37,7 @@ from app.data.splits import SPLITS_BY_STAGE, SplitFiles, SplitName, part_rows, s
 from app.data.table_sizes import SETTING as TABLE_SIZES_SETTING
 from app.data.table_sizes import TableSizeSetting, sizes_as_set, sizes_from_days, sizes_from_vocabulary
 from app.data.tsv import CriteoArrays, DenseTransform, OnBadRows
+from app.data.vocabulary_coverage import DEFAULT_WARN_SHARE, OutsideCounts, check_warn_share, from_metadata, report
 from app.data.vocabulary_state import VocabularyState, warn_about_small_tables
 
 PathSpec = str | list[str]
@@ -101,6 +102,12 @@ class CriteoDataModule(LightningDataModule):
             with the vocabulary saved in the checkpoint or exported model it scores with. Raw TSV
             only. With ``--ckpt_path`` every split is mapped with the checkpoint's vocabulary (and its
             threshold is taken); without one, validate and test count it over ``train`` (or ``split``).
+        out_of_vocabulary_warn_share: with ``frequency_threshold``, every split but ``train`` is reported
+            with each feature's share of ids outside the vocabulary (mapped to the shared id 1), and a
+            warning names the features whose share is above this (0 .. 1; 1: never): rows from another
+            source than the training data, whose ids the model does not know. The default, 0.9, lies
+            between held-out rows of the training data and rows of another source (measured in
+            app/data/vocabulary_coverage.py).
     """
 
     def __init__(
@@ -123,6 +130,7 @@ class CriteoDataModule(LightningDataModule):
         cache_workers: int | None = None,
         prepare_data_per_node: bool = True,
         frequency_threshold: int = 0,
+        out_of_vocabulary_warn_share: float = DEFAULT_WARN_SHARE,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -133,6 +141,7 @@ class CriteoDataModule(LightningDataModule):
             raise ValueError(f"data.cache_workers = {cache_workers} must be at least 1")
         self.vocabulary_state = VocabularyState(frequency_threshold)
         self.frequency_threshold = frequency_threshold
+        self.out_of_vocabulary_warn_share = check_warn_share(out_of_vocabulary_warn_share)
         self._unmapped_predict: CriteoArrays | None = None  # predict's raw ids, until a vocabulary maps them
         self._predict_place = (0, 1)  # (rank, world size) of the predict rows still to be mapped
         self.specs = {name: spec for name, spec in (("train", train), ("val", val), ("test", test), ("predict", predict)) if spec is not None}
@@ -319,6 +328,10 @@ class CriteoDataModule(LightningDataModule):
             raise ValueError(f"data.{name}: {unlabelled[0]} has no label column (39 fields); only predict reads unlabelled rows")
         first = next((day["first_skipped_row"] for day in metadata["days"] if day["first_skipped_row"]), None)
         source = NumpyDaysSource.from_directory(folder, None, self.table_sizes)
+        outside = from_metadata(metadata, *part_rows(files.part, len(source))) if name != "train" else None
+        if outside is not None:  # counted as the split's days were mapped (app/data/vocabulary_coverage.py)
+            where = f"data.{name}" if files.setting == f"data.{name}" else f"{files.setting} ({files.part} rows)"
+            report(where, outside, self.frequency_threshold, self.out_of_vocabulary_warn_share)
         return source, int(metadata["skipped_rows"]), first
 
     def _rank_batches(self, split: str, source: RowSource, rank: int, world_size: int) -> CriteoBatches:
@@ -385,7 +398,10 @@ class CriteoDataModule(LightningDataModule):
         training split's, if this process has it)."""
         arrays, (rank, world_size) = self._unmapped_predict, self._predict_place
         assert arrays is not None and self.table_sizes is not None
-        self.vocabulary_state.map_raw_ids(arrays.sparse, self.table_sizes)
+        outside = self.vocabulary_state.map_raw_ids(arrays.sparse, self.table_sizes)
+        # Every rank holds all rows until _rank_batches: rank 0's report covers them all.
+        counts = OutsideCounts.of(len(arrays), outside)
+        report("data.predict", counts, self.frequency_threshold, self.out_of_vocabulary_warn_share)
         self._unmapped_predict = None
         self.datasets["predict"] = self._rank_batches("predict", arrays, rank, world_size)
 

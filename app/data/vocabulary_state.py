@@ -88,8 +88,9 @@ class VocabularyState:
                 "things; use the training data of that checkpoint"
             )
 
-    def map_raw_ids(self, sparse: np.ndarray, table_sizes: list[int]) -> None:
-        """Maps raw 32-bit ids (N, 26) in place with the vocabulary, then modulo the table sizes."""
+    def map_raw_ids(self, sparse: np.ndarray, table_sizes: list[int]) -> np.ndarray:
+        """Maps raw 32-bit ids (N, 26) in place with the vocabulary, then modulo the table sizes;
+        returns, per feature, how many ids were outside the vocabulary (mapped to 1)."""
         vocabulary = self.vocabulary
         if vocabulary is None:
             raise ValueError(
@@ -97,8 +98,10 @@ class VocabularyState:
                 "scores with; give --ckpt_path (a checkpoint or model file trained with this threshold)"
             )
         warn_about_small_tables(vocabulary, table_sizes)
-        vocabulary.map(sparse, out=sparse)
+        outside = np.zeros(sparse.shape[1], dtype=np.int64)
+        vocabulary.map(sparse, out=sparse, outside_counts=outside)
         np.remainder(sparse, np.asarray(table_sizes, dtype=np.int64), out=sparse)
+        return outside
 
 
 def warn_about_small_tables(vocabulary: Vocabulary, table_sizes: list[int]) -> None:
