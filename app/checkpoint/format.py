@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -63,6 +64,10 @@ class Collectives(Protocol):
     def broadcast(self, obj: Any, src: int = 0) -> Any: ...
 
     def barrier(self, name: str | None = None) -> None: ...
+
+    @property
+    def checkpoint_process_group(self) -> dist.ProcessGroup | None:
+        """The group DCP's collectives go through (None: the default group, or no group at all)."""
 
 
 @dataclass
@@ -98,10 +103,11 @@ def save(
     collectives.barrier()
     tensors = {key: checkpoint[key] for key in _TENSOR_KEYS if key in checkpoint}
     # dcp.save gathers every rank's result: a failure on one rank raises on all, no rank hangs.
-    # Its collectives go through the strategy's checkpoint group when it has one: ranks that finish
-    # writing first wait there for the slowest (uneven shards), not under the NCCL watchdog's timeout.
-    process_group = getattr(collectives, "checkpoint_process_group", None)
-    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder), process_group=process_group)
+    # Its collectives go through the strategy's checkpoint group: ranks that finish writing first
+    # wait there for the slowest (uneven shards), not under the NCCL watchdog's timeout.
+    dcp.save(
+        tensors, storage_writer=dcp.FileSystemWriter(folder), process_group=collectives.checkpoint_process_group
+    )
     collectives.barrier()  # every rank's shards are on disk
     if collectives.is_global_zero:
         meta = {key: value for key, value in checkpoint.items() if key not in _TENSOR_KEYS}

@@ -22,6 +22,7 @@ class OneProcess:
     """The collectives of a run with a single process: it is rank 0, and there is nobody to wait for."""
 
     is_global_zero = True
+    checkpoint_process_group = None  # DCP's default: no process group in a single process
 
     def broadcast(self, obj, src=0):
         return obj
