@@ -26,9 +26,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from app.criteo import NUM_DENSE, NUM_SPARSE  # noqa: E402
 from app.data.synthetic import rank_auc  # noqa: E402
 
-NUM_DENSE, NUM_SPARSE = 13, 26
 VOCAB_CHOICES = (4, 10, 30, 100, 500, 2_000, 10_000, 50_000, 200_000)
 VOCAB_WEIGHTS = (0.08, 0.08, 0.08, 0.12, 0.12, 0.14, 0.14, 0.12, 0.12)
 INTERCEPT = -1.3  # about 26 % clicks

@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from app.criteo import NUM_DENSE
 from app.data.batches import CriteoBatch
-from app.model.dlrm import NUM_DENSE_FEATURES
 
 
 @dataclass
@@ -72,7 +72,7 @@ class RandomData:
 def batch_bytes(batch_size: int, pooling_factors: list[int] | list[float]) -> int:
     """Bytes of one batch in memory: per row 13 float32 dense features, a float32 label, an int64 row
     id, and per table its int64 ids and an int32 length."""
-    per_row = NUM_DENSE_FEATURES * 4 + 4 + 8 + 8 * sum(pooling_factors) + 4 * len(pooling_factors)
+    per_row = NUM_DENSE * 4 + 4 + 8 + 8 * sum(pooling_factors) + 4 * len(pooling_factors)
     return int(batch_size * per_row)
 
 
@@ -83,7 +83,7 @@ def random_batch(data: RandomData, generator: torch.Generator) -> CriteoBatch:
     values = torch.cat([torch.randint(0, r, (size * m,), generator=generator) for r, m in zip(rows, pooling)])
     lengths = torch.tensor(pooling, dtype=torch.int32).repeat_interleave(size)
     return CriteoBatch(
-        dense_features=torch.randn(size, NUM_DENSE_FEATURES, generator=generator),
+        dense_features=torch.randn(size, NUM_DENSE, generator=generator),
         sparse_features=KeyedJaggedTensor.from_lengths_sync(
             keys=list(DEFAULT_CAT_NAMES[: data.num_tables]), values=values, lengths=lengths
         ),

@@ -21,9 +21,9 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from app.bench.data import batch_bytes
+from app.criteo import NUM_DENSE
 from app.data.datamodule import CriteoDataModule
 from app.data.partition import num_batches
-from app.model.dlrm import NUM_DENSE_FEATURES
 
 # The bench trains only, on one node: no evaluation splits, and the parent prepares the data.
 SKIPPED_SETTINGS = {"val", "test", "predict", "prepare_data_per_node"}
@@ -45,7 +45,7 @@ _PARAMETERS = inspect.signature(CriteoDataModule.__init__).parameters
 _SETTING_NAMES = "|".join(name for name in _PARAMETERS if name != "self")
 _SETTING_IN_MESSAGE = re.compile(rf"(?<![\w/.~-])data\.({_SETTING_NAMES})\b")  # not a file name such as /x/data.train
 # Bytes per row of a NumPy day file besides its ids: 13 float32 dense features and an int32 label.
-_STORED_BYTES_PER_ROW = NUM_DENSE_FEATURES * 4 + 4
+_STORED_BYTES_PER_ROW = NUM_DENSE * 4 + 4
 _STORED_BYTES_PER_ID = 4  # int32, as app.data.preprocess (the TSV cache) and MLPerf's multi-hot days store ids
 
 

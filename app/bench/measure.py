@@ -26,8 +26,9 @@ from torchrec.distributed.types import ParameterSharding, ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from app.bench.phases import StepProfiler
+from app.criteo import NUM_DENSE
 from app.distributed.sharding import UVM_CACHING_KERNEL, cache_load_factor, keeps_rows_in_host_memory
-from app.model.dlrm import NUM_DENSE_FEATURES, build_dlrm, build_dlrm_arguments
+from app.model.dlrm import build_dlrm, build_dlrm_arguments
 
 # Optimizer state per table element, as a multiple of the table itself (row-wise Adagrad keeps one
 # value per row, counted separately).
@@ -236,7 +237,7 @@ def autograd_working_set_bytes(model_args: dict[str, Any], batch_size: int, pool
         lengths=torch.tensor(ids_per_row, dtype=torch.int32).repeat_interleave(batch_size),
     )
     with torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor):
-        dlrm(torch.zeros(batch_size, NUM_DENSE_FEATURES), sparse)
+        dlrm(torch.zeros(batch_size, NUM_DENSE), sparse)
     return 2 * sum(saved.values())
 
 

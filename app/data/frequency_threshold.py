@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
+from app.criteo import NUM_SPARSE
 from app.data.cache import CacheRequest, cached_days, cached_folder, read_metadata
 from app.data.numpy_days import NumpyDaysSource, day_paths, ids_as_int64
 from app.data.preprocess import (
-    NUM_SPARSE,
     RAW_IDS,
     IdCounter,
     Vocabulary,

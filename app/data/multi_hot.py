@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from app.criteo import NUM_DENSE, NUM_SPARSE
 from app.data.numpy_days import (
     DENSE_DTYPES,
     LABEL_DTYPES,
@@ -45,7 +46,7 @@ from app.data.numpy_days import (
     reduce_ids,
     require_day_files,
 )
-from app.data.source import NUM_DENSE, NUM_SPARSE, RowBlock, check_table_sizes
+from app.data.source import RowBlock, check_table_sizes
 
 # MLPerf DLRMv2 (docs/data.md).
 MLPERF_TABLE_SIZES = (

@@ -33,7 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from app.data.source import NUM_DENSE, NUM_SPARSE, RowBlock, check_table_sizes
+from app.criteo import NUM_DENSE, NUM_SPARSE
+from app.data.source import RowBlock, check_table_sizes
 
 # Above this many separate runs of consecutive rows, one fancy-indexed gather per day beats a slice
 # read per run (each slice costs a few microseconds of Python per array).

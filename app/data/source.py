@@ -13,25 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-NUM_DENSE = 13  # I1..I13
-NUM_SPARSE = 26  # C1..C26
-
-
-def expand_table_sizes(num_embeddings_per_feature: int | Sequence[int], setting: str) -> list[int]:
-    """26 table sizes from either 26 sizes or one size for all; ``setting`` names the flag in errors."""
-    if isinstance(num_embeddings_per_feature, int):
-        sizes = [num_embeddings_per_feature] * NUM_SPARSE
-    else:
-        sizes = list(num_embeddings_per_feature)
-    if len(sizes) != NUM_SPARSE:
-        raise ValueError(
-            f"{setting} has {len(sizes)} sizes; give {NUM_SPARSE} (one per categorical feature C1..C26), "
-            "a single size for all, or auto"
-        )
-    for position, size in enumerate(sizes):
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"{setting}[{position}] = {size!r} must be a positive integer")
-    return sizes
+from app.criteo import NUM_SPARSE
 
 
 def check_table_sizes(num_embeddings_per_feature: Sequence[int]) -> np.ndarray:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from app.data.source import NUM_DENSE, NUM_SPARSE
+from app.criteo import NUM_DENSE, NUM_SPARSE
 
 # The "world": change it and every generated file, and the planted signal, change.
 WORLD_SEED = 20_240_601

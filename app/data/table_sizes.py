@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from app.data.source import expand_table_sizes
+from app.criteo import expand_table_sizes
 from app.data.cache import read_metadata
 from app.data.preprocess import Vocabulary
 from app.data.splits import SplitFiles

@@ -32,15 +32,11 @@ import numpy as np
 from app.data.paths import DATA_SUFFIXES, expand_paths
 from app.data.source import check_table_sizes
 from app.data.tsv_decode import (
-    DENSE_NAMES,
     DENSE_TRANSFORMS,
     LABELLED_FIELDS,
     MIN_LABELLED_FIELDS,
     MIN_UNLABELLED_FIELDS,
-    NUM_DENSE,
-    NUM_SPARSE,
     ON_BAD_ROWS,
-    SPARSE_NAMES,
     UNLABELLED_FIELDS,
     CriteoArrays,
     CriteoFormatError,
@@ -53,17 +49,13 @@ from app.data.tsv_stream import MAX_LINE_BYTES, line_blocks
 __all__ = [
     "CHUNK_BYTES",
     "DATA_SUFFIXES",
-    "DENSE_NAMES",
     "DENSE_TRANSFORMS",
     "LABELLED_FIELDS",
     "MAX_DEFAULT_THREADS",
     "MAX_LINE_BYTES",
-    "NUM_DENSE",
-    "NUM_SPARSE",
     "MIN_LABELLED_FIELDS",
     "MIN_UNLABELLED_FIELDS",
     "ON_BAD_ROWS",
-    "SPARSE_NAMES",
     "UNLABELLED_FIELDS",
     "CriteoArrays",
     "CriteoFormatError",

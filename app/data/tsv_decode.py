@@ -28,13 +28,12 @@ from typing import Literal
 
 import numpy as np
 
-from app.data.source import NUM_DENSE, NUM_SPARSE, RowBlock
+from app.criteo import DENSE_NAMES, NUM_DENSE, NUM_SPARSE, SPARSE_NAMES
+from app.data.source import RowBlock
 
 LABELLED_FIELDS = 1 + NUM_DENSE + NUM_SPARSE  # 40
 UNLABELLED_FIELDS = NUM_DENSE + NUM_SPARSE  # 39
 
-DENSE_NAMES = tuple(f"I{i}" for i in range(1, NUM_DENSE + 1))
-SPARSE_NAMES = tuple(f"C{i}" for i in range(1, NUM_SPARSE + 1))
 
 OnBadRows = Literal["error", "skip"]
 DenseTransform = Literal["log1p", "log_plus_3"]

@@ -27,9 +27,9 @@ from typing import Any, get_args
 
 import numpy as np
 
+from app.criteo import NUM_SPARSE, SPARSE_NAMES
 from app.data.preprocess.vocabulary import RARE_ID
 from app.data.splits import RowPart, part_rows
-from app.data.tsv import NUM_SPARSE, SPARSE_NAMES
 
 SETTING = "data.out_of_vocabulary_warn_share"
 # Measured with T = 3, the vocabulary counted over part of the rows and the per-feature share taken

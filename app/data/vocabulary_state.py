@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from app.criteo import SPARSE_NAMES
 from app.data.preprocess import Vocabulary
 from app.data.preprocess.vocabulary import VOCABULARY_FILE
-from app.data.tsv import SPARSE_NAMES
 
 SETTING = "data.frequency_threshold"
 

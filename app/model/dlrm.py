@@ -27,11 +27,13 @@ from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
-from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, DEFAULT_INT_NAMES
+from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, OverArch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchrec.types import DataType
+
+from app.criteo import NUM_DENSE
 
 Interaction = Literal["dot", "cat", "dcn", "projection"]
 INTERACTIONS: tuple[str, ...] = get_args(Interaction)
@@ -42,8 +44,6 @@ INTERACTIONS: tuple[str, ...] = get_args(Interaction)
 EmbeddingPrecision = Literal["fp32", "fp16"]
 EMBEDDING_PRECISIONS: tuple[str, ...] = get_args(EmbeddingPrecision)
 _DATA_TYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16}
-
-NUM_DENSE_FEATURES = len(DEFAULT_INT_NAMES)
 
 
 def table_name(feature_name: str) -> str:
@@ -271,7 +271,7 @@ def build_dlrm(
         embedding_bag_collection=build_embedding_bag_collection(
             embedding_dim, num_embeddings_per_feature, embedding_device, embedding_precision
         ),
-        dense_in_features=NUM_DENSE_FEATURES,
+        dense_in_features=NUM_DENSE,
         dense_arch_layer_sizes=list(dense_arch_layer_sizes),
         over_arch_layer_sizes=list(over_arch_layer_sizes),
     )

@@ -31,10 +31,10 @@ from torch import nn
 from torchmetrics import MetricCollection
 
 from app.cli import run_cli
+from app.criteo import NUM_DENSE, expand_table_sizes
 from app.data.batches import CriteoBatch
-from app.model.dlrm import NUM_DENSE_FEATURES, build_embedding_bag_collection
+from app.model.dlrm import build_embedding_bag_collection
 from app.data.datamodule import counted_table_sizes
-from app.model.tables import expand_table_sizes
 from app.notices import silence_library_notices
 from app.train.host_group import host_process_group
 from app.train.log_steps import RunningMean, metrics_written_after_this_batch
@@ -82,7 +82,7 @@ class LogisticRegressionModule(LightningModule):
         self.register_module("embeddings", None)  # its place among the submodules, whenever it is built
         if num_embeddings_per_feature is not None:
             self._build_embeddings(num_embeddings_per_feature)
-        self.dense = nn.Linear(NUM_DENSE_FEATURES, 1)
+        self.dense = nn.Linear(NUM_DENSE, 1)
         # Zero, as logistic regression starts: torch's default init would add a random dense logit of
         # several units on the log1p features (up to ~20) before the first step.
         nn.init.zeros_(self.dense.weight)

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
+from app.criteo import NUM_DENSE, NUM_SPARSE
 from app.data.splits import RowPart, part_rows
 from app.data.synthetic import rank_auc, true_logits, vocabulary_hex_ids
-from app.data.tsv import NUM_DENSE, NUM_SPARSE, CriteoArrays, OnBadRows, iter_tsv_chunks, read_tsv_files
+from app.data.tsv import CriteoArrays, OnBadRows, iter_tsv_chunks, read_tsv_files
 
 # Table sizes that leave the reader's 32-bit hashed ids as they are written (id mod 2**32 = id).
 _RAW_ID_SIZES = [2**32] * NUM_SPARSE

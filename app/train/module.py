@@ -10,6 +10,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchmetrics import MetricCollection
 
+from app.criteo import expand_table_sizes
 from app.data.batches import CriteoBatch
 from app.data.datamodule import counted_table_sizes
 from app.model.compile import (
@@ -22,7 +23,6 @@ from app.model.compile import (
     records_cuda_graphs,
 )
 from app.model.dlrm import EmbeddingPrecision, Interaction, build_dlrm, check_embedding_precision
-from app.model.tables import expand_table_sizes
 from app.train.fused_step_count import FusedStepCount
 from app.train.log_steps import RunningMean, metrics_written_after_this_batch
 from app.train.lr_schedule import LRSchedule, lr_scheduler_config, restore_scheduled_rates, step_lr_schedulers

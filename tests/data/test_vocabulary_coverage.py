@@ -21,6 +21,7 @@ from typing import get_args
 import numpy as np
 import pytest
 
+from app.criteo import NUM_SPARSE, SPARSE_NAMES
 from app.data.cache import CACHE_FILE, CacheRequest, read_metadata
 from app.data.datamodule import CriteoDataModule
 from app.data.frequency_threshold import mapped_days, training_vocabulary
@@ -28,7 +29,7 @@ from app.data.preprocess import RAW_IDS, Vocabulary
 from app.data.preprocess.vocabulary import MAP_BLOCK_ROWS, vocabulary_sha256
 from app.data.splits import RowPart, part_rows
 from app.data.synthetic import write_synthetic_criteo
-from app.data.tsv import NUM_SPARSE, SPARSE_NAMES, read_tsv
+from app.data.tsv import read_tsv
 from app.data.vocabulary_coverage import (
     DEFAULT_WARN_SHARE,
     METADATA_KEY,

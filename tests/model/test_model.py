@@ -8,11 +8,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, DEFAULT_INT_NAMES
 
+from app.criteo import NUM_DENSE, NUM_SPARSE, expand_table_sizes
 from app.data.batches import make_batch
 from app.data.source import RowBlock
 from app.model.dlrm import INTERACTIONS, Float32Linear, build_dlrm
-from app.model.tables import expand_table_sizes
 from app.train.metrics import LogLoss, NormalizedEntropy
 from tests.multiprocess import run_on_ranks
 from tests.distributed.test_sharding import fit_args
@@ -99,6 +100,8 @@ def test_bad_model_settings_are_named(kwargs, message):
 
 
 def test_table_sizes_expand_and_validate():
+    # The model's tables and the batches' keys are TorchRec's names, one per feature the data reads.
+    assert (len(DEFAULT_CAT_NAMES), len(DEFAULT_INT_NAMES)) == (NUM_SPARSE, NUM_DENSE) == (26, 13)
     assert expand_table_sizes(7, "x") == [7] * 26
     # Data needs all 26; a benchmark model may have tables for the first features only.
     with pytest.raises(ValueError, match="has 2 sizes; give 26"):

@@ -33,7 +33,6 @@ from app.data.preprocess.files import NpyStreamWriter, read_sidecar_info
 from app.data.preprocess.id_counts import FEATURE_OFFSETS, DistinctIds, IdCounter
 from app.data.preprocess.metadata import build_metadata
 from app.data.preprocess.runner import run
-from app.data.tsv import NUM_DENSE, NUM_SPARSE
 from app.data.preprocess.vocabulary import (
     FIRST_CONTIGUOUS_ID,
     RARE_ID,
@@ -54,8 +53,6 @@ __all__ = [
     "FEATURE_OFFSETS",
     "FIRST_CONTIGUOUS_ID",
     "FORMAT_VERSION",
-    "NUM_DENSE",
-    "NUM_SPARSE",
     "RARE_ID",
     "RAW_IDS",
     "VOCABULARY_FILE",

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+from app.criteo import NUM_SPARSE
 from app.data import tsv
-from app.data.tsv import NUM_SPARSE, CriteoArrays
+from app.data.tsv import CriteoArrays
 
 # Modulo 2**32 keeps the 32-bit hashed ids as they are: the raw ids.
 RAW_IDS = [2**32] * NUM_SPARSE

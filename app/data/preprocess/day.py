@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from app.criteo import NUM_DENSE, NUM_SPARSE
 from app.data.preprocess.chunks import iter_chunks
 from app.data.preprocess.config import DayResult, DayTask
 from app.data.preprocess.files import NpyStreamWriter, save_npz_atomically
@@ -15,7 +16,6 @@ from app.data.preprocess.id_counts import DistinctIds
 from app.data.preprocess.resume import input_info
 from app.data.preprocess.vocabulary import load_vocabularies, map_to_contiguous
 from app.data.preprocess.workers import report_rows
-from app.data.tsv import NUM_DENSE, NUM_SPARSE
 
 
 def convert_day(task: DayTask) -> DayResult:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from app.data.tsv import NUM_SPARSE
+from app.criteo import NUM_SPARSE
 
 # A (feature, id) pair as one int64 key, feature in the high bits: one np.unique covers all 26.
 FEATURE_OFFSETS = np.arange(NUM_SPARSE, dtype=np.int64) << 32

@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
+from app.criteo import NUM_SPARSE
 from app.data.preprocess.config import FORMAT_VERSION, Config, DayTask
 from app.data.preprocess.files import read_sidecar_info
 from app.data.preprocess.vocabulary import FIRST_CONTIGUOUS_ID
-from app.data.tsv import NUM_SPARSE
 
 
 def build_metadata(config: Config, tasks: Sequence[DayTask], vocabulary: dict[str, Any] | None) -> dict[str, Any]:

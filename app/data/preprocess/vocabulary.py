@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from app.criteo import NUM_SPARSE, SPARSE_NAMES
 from app.data.preprocess.chunks import iter_chunks
 from app.data.preprocess.config import Config, DayResult, DayTask
 from app.data.preprocess.files import (
@@ -33,7 +34,6 @@ from app.data.preprocess.files import (
 from app.data.preprocess.id_counts import IdCounter
 from app.data.preprocess.resume import counted_already, input_info
 from app.data.preprocess.workers import report_rows, run_tasks
-from app.data.tsv import NUM_SPARSE, SPARSE_NAMES
 
 # Contiguous ids (TorchRec): 1 for rare or unseen ids, 2 for the first vocabulary entry.
 RARE_ID = 1
