@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from app.checkpoint.export import export_checkpoint, load_exported_into, main
+from app.cli import cli_main
 from app.train.module import DLRMModule
 from tests.multiprocess import run_on_ranks
 from tests.reshard_runs import eval_args, plan_args
@@ -29,10 +30,8 @@ def test_the_exported_file_is_plain_tensors_and_hyper_parameters(exported):
 
 
 def test_predict_from_the_exported_file_equals_the_sharded_checkpoint(exported, checkpoint_writer, sample, tmp_path):
-    # The file's hyper-parameters set the model (docs/checkpoints.md): other model settings on the
-    # command line, which would build another network, give way to them.
-    other_model = ["--model.interaction", "cat", "--model.dense_arch_layer_sizes", "[32, 8]", "--model.over_arch_layer_sizes", "[32, 16, 1]"]
-    args = eval_args(sample, tmp_path, "predict", 1, exported, plan_args("table_wise", {})) + other_model
+    # The file carries its model (docs/checkpoints.md): the settings of eval_args build it.
+    args = eval_args(sample, tmp_path, "predict", 1, exported, plan_args("table_wise", {}))
     (result,) = run_on_ranks(1, args, tmp_path, shards_and_predictions)
     np.testing.assert_allclose(result["probabilities"], checkpoint_writer["result"]["probabilities"], rtol=0, atol=1e-6)
     lines = (tmp_path / "predictions.tsv").read_text().splitlines()  # under trainer.default_root_dir
@@ -41,6 +40,17 @@ def test_predict_from_the_exported_file_equals_the_sharded_checkpoint(exported, 
     written = np.array([float(line.split("\t")[1]) for line in lines[1:]])
     # 1e-6 from the model, up to 5e-7 more from the file's 6 decimals
     np.testing.assert_allclose(written, checkpoint_writer["result"]["probabilities"], rtol=0, atol=1.5e-6)
+
+
+def test_a_setting_that_contradicts_the_exported_model_is_refused_naming_both_values(exported, sample, tmp_path, capfd):
+    other_model = ["--model.dense_arch_layer_sizes", "[32, 8]"]  # another network than the file's [16, 8]
+    args = eval_args(sample, tmp_path, "predict", 1, exported, plan_args("table_wise", {})) + other_model
+    with pytest.raises(SystemExit) as stop:
+        cli_main(args + ["--trainer.devices", "1"])
+    assert stop.value.code == 2
+    assert (f"error: model.dense_arch_layer_sizes = [32, 8] here, but ckpt_path {exported} holds a model with "
+            "model.dense_arch_layer_sizes = [16, 8]") in capfd.readouterr().err  # fmt: skip
+    assert not (tmp_path / "predictions.tsv").exists()
 
 
 def test_export_names_a_missing_path_and_a_folder_that_is_not_a_checkpoint(tmp_path, capsys):

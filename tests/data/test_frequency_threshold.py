@@ -59,9 +59,10 @@ def hand_made(tmp_path) -> dict[str, Path]:
 
 def test_ids_seen_at_least_t_times_in_training_get_contiguous_ids_the_rest_one(tmp_path, hand_made, capsys):
     data = module(tmp_path, train=str(hand_made["train"]), val=str(hand_made["val"]))
+    assert data.table_sizes is None  # auto: counted in setup, behind the converting ranks' barrier
+    data.setup("fit")
     # Vocabularies: C1 {05, 0a}, C2 {10}, C3 {missing = raw 0}, C4..C26 {missing}: sizes + 2.
     assert data.table_sizes == [4, 3, 3] + [3] * 23
-    data.setup("fit")
     train, val = all_ids(data, "train"), all_ids(data, "val")
     np.testing.assert_array_equal(train[:, 0], [3, 3, 2, 3, 2, 1])  # 05 -> 2, 0a -> 3 (raw-id order), ff -> 1
     np.testing.assert_array_equal(train[:, 1], [2, 2, 1, 2, 1, 2])  # 20 and the one missing value -> 1
@@ -73,6 +74,7 @@ def test_ids_seen_at_least_t_times_in_training_get_contiguous_ids_the_rest_one(t
     # Another threshold reads the same converted days again: only counted and mapped anew.
     capsys.readouterr()
     other = module(tmp_path, train=str(hand_made["train"]), frequency_threshold=3)
+    other.setup("fit")
     assert other.table_sizes == [3, 3, 3] + [3] * 23  # C1 {0a}, C2 {10}, C3 {missing}
     assert "preprocessed" not in capsys.readouterr().out
     # A fixed table smaller than its vocabulary + 2 takes the contiguous ids modulo its size, and says so.
@@ -87,8 +89,8 @@ def test_only_the_training_rows_of_a_named_split_are_counted(tmp_path):
     # day 6 (twice): not counted, so it maps to 1 there; 0a (12 times in training) to 2.
     rows = [["0a"]] * 12 + [["0b"], ["0b"]]
     data = module(tmp_path, split="kaggle", root=str(write_rows(tmp_path / "train.txt", rows)), batch_size=1)
-    assert data.table_sizes[0] == 3  # one kept id + 2
     data.setup("validate")
+    assert data.table_sizes[0] == 3  # one kept id + 2
     np.testing.assert_array_equal(all_ids(data, "val")[:, 0], [1])
     data.setup("fit")
     assert (all_ids(data, "train")[:, 0] == 2).all()
@@ -101,19 +103,19 @@ def test_refused_settings_name_the_setting(tmp_path, hand_made):
     c2_rare = write_rows(tmp_path / "c2.tsv", [["0a", "10"], ["0a", "10"], ["0a", "20"]])
     with pytest.raises(ValueError, match=r"^data\.frequency_threshold = 3 leaves C2 with no id: each of its 2 distinct ids "
                                          r"in data\.train is seen fewer than 3 times; lower the threshold$"):
-        module(tmp_path, train=str(c2_rare), frequency_threshold=3)
+        module(tmp_path, train=str(c2_rare), frequency_threshold=3).setup("fit")
     with pytest.raises(ValueError, match=r"^--frequency_threshold 3 leaves C2 with no id: .* in the inputs"):
         preprocess(str(c2_rare), str(tmp_path / "c2_days"), workers=1, frequency_threshold=3, progress=False)
     # Preprocessed NumPy days fixed their ids when they were made: the threshold cannot apply there.
     preprocess(train, str(tmp_path / "numpy"), workers=1, progress=False)
     with pytest.raises(ValueError, match=r"data\.train is a folder of NumPy days.*--frequency_threshold 2.*leave "
                                          r"data\.frequency_threshold at 0$"):
-        module(tmp_path, train=str(tmp_path / "numpy"))
+        module(tmp_path, train=str(tmp_path / "numpy")).check_inputs("fit")  # the CLI's check before any launch
     with pytest.raises(ValueError, match=r"^data\.frequency_threshold = 2 does not apply to multi-hot days \(data\.train\)"):
         module(tmp_path, train=str(multi_hot_day(tmp_path / "multi_hot")), num_embeddings_per_feature=10).check_inputs("fit")
     # Evaluating needs the training split, where the vocabulary comes from (named before any launch).
     with pytest.raises(ValueError, match=r"^data\.frequency_threshold = 2 maps ids with the vocabulary counted over data\.train: "
-                                         r"set data\.train \(or data\.split\) for this stage too$"):
+                                         r"set data\.train \(or data\.split\) for this stage too, or give --ckpt_path$"):
         module(tmp_path, val=str(hand_made["val"]), num_embeddings_per_feature=10).check_inputs("validate")
     # Predict maps with a checkpoint's vocabulary: without one, it is refused rather than guessed.
     data = module(tmp_path, predict=str(hand_made["val"]), num_embeddings_per_feature=10)
@@ -227,7 +229,7 @@ def table_sizes(cli) -> dict:
     return {"table_sizes": cli.model.hparams["num_embeddings_per_feature"]}
 
 
-def test_predict_maps_ids_as_training_did_from_a_checkpoint_and_an_export_and_refuses_it_without(trained, tmp_path):
+def test_predict_maps_ids_as_training_did_from_a_checkpoint_and_an_export_and_refuses_another_threshold(trained, tmp_path):
     data, checkpoint = trained["data"], trained["checkpoint"]
     # The checkpoint folder holds the vocabulary; meta.json the threshold and the vocabulary's name.
     meta = json.loads((checkpoint / "meta.json").read_text())
@@ -241,22 +243,24 @@ def test_predict_maps_ids_as_training_did_from_a_checkpoint_and_an_export_and_re
     # An export in another folder, scored with the cache gone and no training data in the settings.
     exported = export_checkpoint(str(checkpoint), str(tmp_path / "elsewhere" / "model.pt"))
     shutil.rmtree(data["cache"])
-    no_training_data = ["--data.train", "null", "--data.val", "null", "--data.num_embeddings_per_feature", json.dumps(sizes)]
+    # The sizes stay `auto` and the threshold unset: both are the checkpoint's (it carries its model).
+    no_training_data = ["--data.train", "null", "--data.val", "null", "--data.frequency_threshold", "0"]
     runs = [
         cli_args("predict", tmp_path / "ckpt", data, "--ckpt_path", str(checkpoint), *no_training_data),
         cli_args("predict", tmp_path / "export", data, "--ckpt_path", str(exported), *no_training_data),
-        # Without the threshold (the checkpoint's table sizes: the model loads, but its ids would differ).
+        # Another threshold given: its ids would mean other things than the model's.
         cli_args("predict", tmp_path / "refused", data, "--ckpt_path", str(checkpoint), *no_training_data,
-                 "--data.frequency_threshold", "0"),
+                 "--data.frequency_threshold", "3"),
     ]  # fmt: skip
     from_checkpoint, from_export, refused = run_one_after_another(runs, tmp_path, predicted_ids)
     for result in (from_checkpoint, from_export):
         assert "error" not in result, result["error"]
         np.testing.assert_array_equal(result["ids"], expected)
+        assert result["table_sizes"] == sizes  # the checkpoint's, with data.num_embeddings_per_feature: auto
     assert not data["cache"].exists()  # nothing was converted or counted again
     scores = [(tmp_path / run / "predictions.tsv").read_text() for run in ("ckpt", "export")]
     assert scores[0] == scores[1] and len(scores[0].splitlines()) == 301
-    message = (f"ValueError: ckpt_path {checkpoint} was trained with data.frequency_threshold = 2, this run has 0 "
-               "(its vocabulary maps the ids: set data.frequency_threshold 2)")  # fmt: skip
+    message = (f"ValueError: data.frequency_threshold = 3 here, but ckpt_path {checkpoint} holds a model with "
+               "data.frequency_threshold = 2")  # fmt: skip
     assert message in refused.get("error", ""), refused
     assert not (tmp_path / "refused" / "predictions.tsv").exists()
