@@ -26,6 +26,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from app.checkpoint.best import BEST, find_best_checkpoint
 from app.checkpoint.preemption import SaveOnSignal
+from app.checkpoint.run_checkpoint import RunCheckpoint
+from app.checkpoint.run_folder import LAST, checkpoint_run_folder, fit_run_folder, last_checkpoint
 from app.checkpoint.saved_model import SavedModel, read_saved_model, settings_from_checkpoint
 from app.data.datamodule import CriteoDataModule
 from app.distributed.health import RankHealth
@@ -62,7 +64,7 @@ class DLRMCLI(LightningCLI):
         parser.add_lightning_class_args(PredictionWriter, "prediction_writer")
         parser.add_lightning_class_args(RankHealth, "rank_health")
         # Checkpointing on by default, as its own group; off with --trainer.enable_checkpointing false.
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.add_lightning_class_args(RunCheckpoint, "checkpoint")  # ModelCheckpoint, last.ckpt where fit ended
         parser.set_defaults({"checkpoint.save_last": True})
         parser.add_lightning_class_args(SaveOnSignal, "save_on_signal")
         # Lightning's bar, redrawn every PROGRESS_BAR_REFRESH_STEPS batches; off with --trainer.enable_progress_bar
@@ -76,6 +78,9 @@ class DLRMCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        if self.subcommand == "fit":  # runs never mix in one folder: maybe <root>-2 (app/checkpoint/run_folder.py)
+            root, saves = config.trainer.default_root_dir or os.getcwd(), config.trainer.get("enable_checkpointing") is not False
+            config.trainer.default_root_dir = fit_run_folder(root, config.checkpoint.dirpath, config.get("ckpt_path"), saves)
         # Lightning's own default for an unset default_root_dir: the working directory.
         root = config.trainer.default_root_dir or os.getcwd()
         if config.checkpoint.dirpath is None:
@@ -89,8 +94,12 @@ class DLRMCLI(LightningCLI):
         _choose_precision(config.trainer)
         _check_early_stopping(config)
         _check_last_can_be_found(config)
+        if config.get("ckpt_path") == LAST:
+            config.ckpt_path = last_checkpoint(config.checkpoint.dirpath, fitting=self.subcommand == "fit")
         if config.get("ckpt_path") == BEST:
             config.ckpt_path = _best_checkpoint_path(config)
+        if self.subcommand == "predict" and config.prediction_writer.output_dir is None:
+            config.prediction_writer.output_dir = checkpoint_run_folder(config.get("ckpt_path"))  # the checkpoint's run
         self.saved_model = self._take_model_from_checkpoint(config)
 
     def _parse_ckpt_path(self) -> None:

@@ -40,6 +40,7 @@ from app.checkpoint import format as checkpoint_format
 from app.checkpoint.export import is_exported_model, load_exported_into
 from app.checkpoint.format import CheckpointInfo
 from app.checkpoint.reshard import plan_allows
+from app.checkpoint.run_folder import check_every_rank_has
 from app.checkpoint.run_lock import RunFolderLock, run_folders
 from app.distributed.launch import check_launch, set_collective_error_defaults
 from app.distributed.placements import plan_on_devices
@@ -253,6 +254,7 @@ class TorchRecStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or trainer.state.fn != TrainerFn.FITTING or self._run_lock is not None:
             return
+        check_every_rank_has(run_folders(trainer))  # each rank chose it while parsing (app/checkpoint/run_folder.py)
         refusal = self._take_run_folder(trainer) if self.is_global_zero else None
         refusal = self.broadcast(refusal)
         if refusal is not None:

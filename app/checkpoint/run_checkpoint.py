@@ -1,0 +1,46 @@
+"""The checkpoint group (``--checkpoint.*``): Lightning's ModelCheckpoint, with ``last.ckpt`` where fit ended.
+
+Lightning rewrites ``last.ckpt`` with every checkpoint it saves (each top-k checkpoint, each periodic
+one) and, at the end of fit, only when the process has saved nothing at all. With a monitor and no
+periodic saves, ``last.ckpt`` therefore stayed at the last validation that ranked in the top k in an
+uninterrupted run, but moved to the final step in a resumed one: whether anything was saved is not
+part of the state a resume restores, so a resumed run whose metric no longer improved saved
+``last.ckpt`` at its end. Here the rule is the same for every run: at the end of fit ``last.ckpt`` holds
+the state where fit ended (the last step, early stopping included), unless it already does or this
+run trained no step (a pre-empted run ends through ``on_exception``: its save is SaveOnSignal's).
+"""
+
+from __future__ import annotations
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """Lightning's ModelCheckpoint, with last.ckpt where fit ended (docs/checkpoints.md).
+
+    The arguments are ModelCheckpoint's. With ``save_last: true``, ``last.ckpt`` is rewritten with
+    every checkpoint saved and, at the end of fit, holds the state where fit ended; with
+    ``save_last: link`` Lightning's own rule holds (a link to the newest checkpoint saved).
+    """
+
+    _started_at_step: int | None = None  # the global step fit started at (after a resume: the checkpoint's)
+
+    @property
+    def state_key(self) -> str:
+        # Lightning keys a callback's state by its class name; ModelCheckpoint's, so that a checkpoint
+        # restores the same state whichever of the two wrote it, and app/checkpoint/best.py finds it.
+        return ModelCheckpoint.__qualname__ + super().state_key.removeprefix(type(self).__qualname__)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self._started_at_step = trainer.global_step
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.save_last is not True:
+            super().on_train_end(trainer, pl_module)  # link (or none): Lightning's rule
+            return
+        trained = self._started_at_step is not None and trainer.global_step > self._started_at_step
+        # Lightning's own skip: not fitting, fast_dev_run, sanity check, or already saved at this step.
+        if trained and not self._should_skip_saving_checkpoint(trainer):
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
