@@ -4,8 +4,12 @@ Lightning resolves ``best`` from ``trainer.checkpoint_callback.best_model_path``
 process that ran ``fit`` holds; ``validate``, ``test``, ``predict`` and ``export`` run later, in new
 processes, where it is empty. The run's checkpoints keep it, though: ModelCheckpoint's state (its
 ``best_model_path`` and ``best_model_score``) is saved in every checkpoint's ``meta.json``, under a
-key that names the monitor and mode it ranks by. The newest checkpoint holds the newest record, so
-this module reads that record and checks the file it names is still there.
+key that names the monitor and mode it ranks by. ``last.ckpt`` (the folder's run: what ``--ckpt_path
+last`` resumes), else the newest checkpoint, holds the newest record, so this module reads that record
+and checks that the checkpoint it names is still there and is that run's own: written into the folder
+the record's ModelCheckpoint saved into (a fit started from another run's checkpoint carries that
+run's best until its own first validation), and recording itself with the recorded score (a folder
+that two runs wrote before runs were kept apart, app/checkpoint/run_folder.py).
 
 Nothing here depends on the process that runs it: every rank that resolves ``best`` from the same
 folder gets the same path (nothing writes checkpoints before every rank has joined the job).
@@ -20,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from app.checkpoint.format import META_FILE, from_json_data
+from app.checkpoint.run_folder import LAST_FILE
 
 BEST = "best"  # the ckpt_path value resolved here
 _RECORD_PREFIX = "ModelCheckpoint{"  # Lightning's state key: the class name, then its monitor, mode, ...
@@ -48,7 +53,7 @@ def find_best_checkpoint(checkpoint_dir: str | os.PathLike, monitor: str | None 
     the newest checkpoint's record is gone, ValueError when no record ranks by ``monitor``/``mode``.
     """
     folder = Path(checkpoint_dir).expanduser()
-    newest, meta = _newest_checkpoint(folder)
+    newest, meta = _record_holder(folder)
     records = [r for r in _rankings(meta) if monitor in (None, r["monitor"]) and mode in (None, r["mode"])]
     if len(records) != 1:
         wanted = f"{monitor or 'any metric'}" + (f" (mode {mode})" if mode else "")
@@ -67,7 +72,39 @@ def find_best_checkpoint(checkpoint_dir: str | os.PathLike, monitor: str | None 
             f"ckpt_path best: {newest.name} records {best.name} as the best by {record['monitor']}, "
             f"but {best} is gone or incomplete (deleted, or checkpoint.save_top_k 0?)"
         )
+    if not _is_the_run_s_own(best, record):
+        raise FileNotFoundError(
+            f"ckpt_path best: {newest.name} records {record['best_model_path']} as the best by {record['monitor']} "
+            f"({record['score']:.6g}), but that is another run's checkpoint, not one this run saved into {folder} "
+            "(a fit started from another run's checkpoint, before its own first validation?); give a checkpoint path"
+        )
     return BestCheckpoint(best, record["monitor"], record["mode"], record["score"], newest)
+
+
+def _is_the_run_s_own(best: Path, record: dict[str, Any]) -> bool:
+    """Whether ``best`` is the checkpoint ``record`` names: saved into the folder the record's run saved into,
+    and ranked there with the recorded score (its own record lists it among the top k as it was saved)."""
+    if Path(record["best_model_path"]).parent != Path(record["dirpath"]):
+        return False
+    try:
+        own = json.loads((best / META_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    for state in _rankings(own):
+        if (state["monitor"], state["mode"]) == (record["monitor"], record["mode"]):
+            ranked = {Path(path).name: score for path, score in state["top_k"].items()}
+            return ranked.get(best.name) == record["score"]
+    return False
+
+
+def _record_holder(folder: Path) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint whose ModelCheckpoint record counts, and its meta: ``last.ckpt`` (the folder's run, what
+    ``--ckpt_path last`` resumes) when complete, else the newest checkpoint (``checkpoint.save_last`` off)."""
+    last = folder / LAST_FILE
+    try:
+        return last, json.loads((last / META_FILE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return _newest_checkpoint(folder)
 
 
 def _newest_checkpoint(folder: Path) -> tuple[Path, dict[str, Any]]:
@@ -99,7 +136,9 @@ def _rankings(meta: dict[str, Any]) -> list[dict[str, Any]]:
         mode = _mode_in_state_key(key, monitor)
         if monitor is None or not path or score is None or mode is None:
             continue  # no metric (checkpoints every N steps), or no validation yet
-        rankings.append({"monitor": monitor, "mode": mode, "best_model_path": path, "score": float(score)})
+        top_k = {key: float(from_json_data(value)) for key, value in (state.get("best_k_models") or {}).items()}
+        rankings.append({"monitor": monitor, "mode": mode, "best_model_path": path, "score": float(score),
+                         "dirpath": state.get("dirpath") or str(Path(path).parent), "top_k": top_k})  # fmt: skip
     return rankings
 
 
