@@ -11,8 +11,10 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 
+from app.data.datamodule import CriteoDataModule
 from app.train.host_group import host_process_group
 from app.train.log_steps import metrics_written_after_this_batch
+from app.train.predictions_file import PredictionsRecord, write_predictions
 
 
 class SamplesPerSecond(Callback):
@@ -59,24 +61,34 @@ class SamplesPerSecond(Callback):
 
 
 class PredictionWriter(BasePredictionWriter):
-    """Writes ``predictions.tsv`` (row id, click probability), rows in input order, from all ranks.
+    """Writes ``predictions.tsv`` (row id, click probability), rows in input order, from all ranks, and
+    ``predictions.json`` beside it (the checkpoint, its global step, the inputs, the row count); the log
+    line says what a file it replaces held (app/train/predictions_file.py).
 
     Rank 0 writes: the other ranks send it their rows through host memory (a gloo group beside
     NCCL, app/train/host_group.py) and keep nothing of the others'.
 
     Args:
-        output_dir: folder of the predictions file (default: ``trainer.default_root_dir``).
+        output_dir: folder of the predictions file (default: the run folder of a checkpoint in a run's
+            ``checkpoints/``, else ``trainer.default_root_dir``).
     """
 
     def __init__(self, output_dir: str | None = None) -> None:
         super().__init__(write_interval="epoch")
         self.output_dir = output_dir
         self._group: dist.ProcessGroup | None = None
+        self._checkpoint_step: int | None = None  # the global step of the checkpoint loaded for this predict
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         if stage == "predict":  # every rank, before the loop: where a collective may start
             self._group = host_process_group()
+            self._checkpoint_step = None
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Lightning calls it for every stage (after setup) with the checkpoint's metadata; an exported model
+        # file has no callback states, so Lightning does not, and its step stays unknown.
+        self._checkpoint_step = checkpoint.get("global_step")
 
     def write_on_epoch_end(
         self, trainer: Trainer, pl_module: LightningModule, predictions: Any, batch_indices: Any
@@ -85,12 +97,14 @@ class PredictionWriter(BasePredictionWriter):
         if gathered is None:
             return
         row_ids, probabilities = gathered
-        path = Path(self.output_dir or trainer.default_root_dir) / "predictions.tsv"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w") as out:
-            out.write("row_id\tprobability\n")
-            out.writelines(f"{r}\t{p:.6f}\n" for r, p in zip(row_ids.tolist(), probabilities.tolist()))
-        print(f"wrote {len(row_ids)} predictions to {path}")
+        inputs = trainer.datamodule.specs.get("predict") if isinstance(trainer.datamodule, CriteoDataModule) else None
+        record = PredictionsRecord(
+            checkpoint=None if trainer.ckpt_path is None else str(trainer.ckpt_path),
+            global_step=self._checkpoint_step,
+            inputs=[] if inputs is None else [str(p) for p in ([inputs] if isinstance(inputs, str) else inputs)],
+            rows=len(row_ids),
+        )
+        print(write_predictions(Path(self.output_dir or trainer.default_root_dir), row_ids, probabilities, record))
 
 
 def gather_predictions_to_rank_zero(
