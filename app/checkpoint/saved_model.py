@@ -77,20 +77,18 @@ def settings_from_checkpoint(
     data_defaults: dict[str, Any],
     run_settings: frozenset[str],
 ) -> SettingsFromCheckpoint:
-    """What the run must take from ``saved``: every hyper-parameter this run left at its default, the
-    table sizes and ``data.frequency_threshold``. A setting this run gives that contradicts the
-    checkpoint is refused naming both values, except ``run_settings`` (how a run trains or evaluates:
-    learning rates, pipeline, compile, ...), where this run's value wins.
+    """What the run must take from ``saved``: every hyper-parameter of the model this run left at its
+    default, the table sizes and ``data.frequency_threshold``. A setting this run gives that contradicts
+    the checkpoint is refused naming both values. ``run_settings`` (how a run trains or evaluates:
+    learning rates, pipeline, compile, ...) are not the model: they stay this run's.
 
     ``model``/``data``: this run's settings; ``*_defaults``: the values they have when not given.
     """
     taken = SettingsFromCheckpoint()
     for key, value in sorted(saved.hyper_parameters.items()):
-        if key == "num_embeddings_per_feature" or key not in model or _same(model[key], value):
-            continue
-        if key in run_settings and not _same(model[key], model_defaults.get(key, _UNSET)):
-            continue  # given for this run: it wins
-        if key in run_settings or _same(model[key], model_defaults.get(key, _UNSET)):
+        if key == "num_embeddings_per_feature" or key in run_settings or key not in model or _same(model[key], value):
+            continue  # this run's own: how it trains or evaluates (its config, or the defaults)
+        if _same(model[key], model_defaults.get(key, _UNSET)):
             taken.model[key] = value
             taken.taken.append(f"model.{key} = {value!r}")
             continue

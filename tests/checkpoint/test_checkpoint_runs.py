@@ -9,6 +9,7 @@ its folder. The kills and signals come from inside the run at an exact step
 from __future__ import annotations
 
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -190,8 +191,13 @@ def test_sigterm_to_the_whole_job_during_validation_saves_at_once_and_resumes_bi
 @pytest.mark.parametrize(
     "how, message",
     [
-        ("missing_shard", "shard file __1_0.distcp is missing"),
-        ("other_tables", "does not fit this model: model.sparse_arch.embedding_bag_collection.embedding_bags.t_cat_0.weight is [500, 8] there, [400, 8] here"),
+        ("missing_shard", "error: ckpt_path {path}: shard file __1_0.distcp is missing"),
+        # Its metadata says 400 rows a table (the model is built so), its shards hold 500: found by the strategy.
+        ("tables_unlike_its_metadata", "error: ckpt_path {path} does not fit this model: "
+         "model.sparse_arch.embedding_bag_collection.embedding_bags.t_cat_0.weight is [500, 8] there, [400, 8] here"),
+        # A setting that contradicts the model it carries: refused before any rank starts.
+        ("contradicting_setting", "error: data.num_embeddings_per_feature = 400 here, but ckpt_path {path} holds a "
+         "model with data.num_embeddings_per_feature = [500, 500,"),
     ],
 )  # fmt: skip
 def test_a_bad_checkpoint_stops_every_rank_with_one_message(how, message, uninterrupted, sample, tmp_path):
@@ -202,10 +208,15 @@ def test_a_bad_checkpoint_stops_every_rank_with_one_message(how, message, uninte
     shutil.copytree(uninterrupted / "checkpoints" / "last.ckpt", path)
     if how == "missing_shard":
         (path / "__1_0.distcp").unlink()
-    if how == "other_tables":
+    if how == "tables_unlike_its_metadata":
+        meta = json.loads((path / "meta.json").read_text())
+        meta["hyper_parameters"]["num_embeddings_per_feature"] = [400] * 26
+        (path / "meta.json").write_text(json.dumps(meta))
+        extra = ["--data.num_embeddings_per_feature", "auto"]  # the checkpoint's, as its metadata says
+    if how == "contradicting_setting":
         extra = ["--data.num_embeddings_per_feature", "400"]
     args = fit_args(sample, tmp_path / "run") + extra + ["--ckpt_path", str(path)]
     result = run_app("validate", *args[1:])  # a rank left waiting fails it through run_app's timeout
     assert result.returncode != 0
-    assert f"error: ckpt_path {path}" in result.stderr and message in result.stderr, result.stderr[-3000:]
+    assert message.format(path=path) in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr

@@ -20,6 +20,7 @@ from app.data.datamodule import CriteoDataModule
 from app.data.synthetic import write_synthetic_criteo
 from app.data.tsv import CriteoFormatError, read_tsv
 from tests.child_process import read_until
+from tests.multiprocess import run_on_ranks
 
 SIZES = [3, 7, 10, 97, 100, 1_000, 4_096, 10_000, 65_537, 10**6] * 2 + [2, 5, 11, 13, 40_000_000, 2**31]
 REAL_FILES = ("terabyte_day0_10k.tsv", "kaggle_train_4571.tsv")
@@ -149,9 +150,6 @@ def test_ranks_that_wait_get_the_conversion_error(tmp_path):
 
 
 def test_auto_table_sizes_are_the_exact_distinct_ids_and_the_model_follows(tmp_path):
-    from app.cli import DLRMCLI
-    from app.train.module import DLRMModule
-
     rng = np.random.default_rng(5)
     cardinalities = [1 + (7 * j) % 40 for j in range(26)]
     rows = []
@@ -161,15 +159,26 @@ def test_auto_table_sizes_are_the_exact_distinct_ids_and_the_model_follows(tmp_p
     path = tmp_path / "train.tsv"
     path.write_text("\n".join(rows) + "\n")
     args = [
-        "--data.train", str(path), "--data.num_embeddings_per_feature", "auto",
+        "fit", "--data.train", str(path), "--data.num_embeddings_per_feature", "auto", "--data.batch_size", "50",
         "--data.cache_dir", str(tmp_path / "cache"), "--data.cache_workers", "1",
         "--model.embedding_dim", "4", "--model.dense_arch_layer_sizes", "[8, 4]",
-        "--model.over_arch_layer_sizes", "[8, 1]",
+        "--model.over_arch_layer_sizes", "[8, 1]", "--trainer.max_steps", "1", "--trainer.logger", "false",
+        "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
+        "--trainer.default_root_dir", str(tmp_path / "run"),
     ]  # fmt: skip
-    cli = DLRMCLI(DLRMModule, CriteoDataModule, run=False, args=args, auto_configure_optimizers=False)
-    assert cli.datamodule.table_sizes == cardinalities
-    tables = cli.model.model.sparse_arch.embedding_bag_collection.embedding_bag_configs()
-    assert [t.num_embeddings for t in tables] == cardinalities
+    # Counted in setup (by the converting ranks, behind the barrier); the model's tables follow in its own.
+    (result,) = run_on_ranks(1, args, tmp_path, table_sizes_of_the_run)
+    assert result["data"] == result["tables"] == result["hyper_parameters"] == cardinalities
+
+
+def table_sizes_of_the_run(cli) -> dict:
+    """The sizes the data module counted, the model's tables have, and its checkpoints carry."""
+    state = cli.model.state_dict()  # the sharded tables, each with its whole size
+    tables = [state[f"model.sparse_arch.embedding_bag_collection.embedding_bags.t_cat_{j}.weight"].size(0) for j in range(26)]
+    return {
+        "data": cli.datamodule.table_sizes, "tables": tables,
+        "hyper_parameters": list(cli.model.hparams["num_embeddings_per_feature"]),
+    }
 
 
 def test_each_stage_reads_only_its_splits(tmp_path, sample_dir):
