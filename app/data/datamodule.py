@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
@@ -406,10 +406,10 @@ class CriteoDataModule(LightningDataModule):
         self.datasets["predict"] = self._rank_batches("predict", arrays, rank, world_size)
 
 
-def counted_table_sizes(trainer: Any) -> list[int]:
+def counted_table_sizes(trainer: Trainer) -> list[int]:
     """The table sizes the run's data module counted in its setup (``auto``), for a model whose tables
     waited for them."""
-    datamodule = getattr(trainer, "datamodule", None)
+    datamodule = trainer.datamodule
     sizes = datamodule.table_sizes if isinstance(datamodule, CriteoDataModule) else None
     if sizes is None:
         raise ValueError("model.num_embeddings_per_feature: not set, and no data module counted the table sizes")

@@ -12,7 +12,7 @@ from torchmetrics import MetricCollection
 
 from app.criteo import expand_table_sizes
 from app.data.batches import CriteoBatch
-from app.data.datamodule import counted_table_sizes
+from app.data.datamodule import CriteoDataModule, counted_table_sizes
 from app.model.compile import (
     FirstStepTimer,
     check_compile_mode,
@@ -406,7 +406,8 @@ class DLRMModule(LightningModule):
         if not self.automatic_optimization:
             step_lr_schedulers(self, "epoch")
         # Rows the data module dropped under data.on_bad_rows = skip: visible next to the loss.
-        skipped = getattr(self.trainer.datamodule, "num_bad_rows_skipped", 0)
+        datamodule = self.trainer.datamodule
+        skipped = datamodule.num_bad_rows_skipped if isinstance(datamodule, CriteoDataModule) else 0
         if skipped:
             self.log("data/bad_rows_skipped", float(skipped), rank_zero_only=True, batch_size=1)
 
@@ -463,6 +464,6 @@ class DLRMModule(LightningModule):
 
 def _eval_rows(datamodule: Any, split: str) -> int | None:
     """Rows of the split evaluated, where the data module says (CriteoDataModule after its setup)."""
-    dataset = getattr(datamodule, "datasets", {}).get(split)
-    source = getattr(dataset, "source", None)
-    return None if source is None else len(source)
+    if not isinstance(datamodule, CriteoDataModule) or split not in datamodule.datasets:
+        return None
+    return len(datamodule.datasets[split].source)
