@@ -8,9 +8,14 @@ part of the state a resume restores, so a resumed run whose metric no longer imp
 ``last.ckpt`` at its end. Here the rule is the same for every run: at the end of fit ``last.ckpt`` holds
 the state where fit ended (the last step, early stopping included), unless it already does or this
 run trained no step (a pre-empted run ends through ``on_exception``: its save is SaveOnSignal's).
+
+And ``last.ckpt`` is rewritten in place, never saved as ``last-v1.ckpt`` beside it: a folder holds one
+run (app/checkpoint/run_folder.py), and ``--ckpt_path last`` reads exactly ``last.ckpt``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -31,6 +36,18 @@ class RunCheckpoint(ModelCheckpoint):
         # Lightning keys a callback's state by its class name; ModelCheckpoint's, so that a checkpoint
         # restores the same state whichever of the two wrote it, and app/checkpoint/best.py finds it.
         return ModelCheckpoint.__qualname__ + super().state_key.removeprefix(type(self).__qualname__)
+
+    def _save_last_checkpoint(self, trainer: Trainer, monitor_candidates: dict[str, Any]) -> None:
+        # A folder holds one run (app/checkpoint/run_folder.py): a last.ckpt there is this run's, or the one
+        # it continues, so it is rewritten, never versioned. Lightning writes last-v1.ckpt beside a last.ckpt
+        # it did not name itself: in a run folder that was moved (or copied) and resumed, it restores no
+        # last_model_path (the folder's path changed), and `--ckpt_path last` would then read the older one.
+        # file_exists is rank 0's answer on every rank, so every rank saves under the same name.
+        if self.save_last:
+            path = self.format_checkpoint_name(monitor_candidates, self.CHECKPOINT_NAME_LAST)
+            if path != self.last_model_path and self.file_exists(path, trainer):
+                self.last_model_path = path
+        super()._save_last_checkpoint(trainer, monitor_candidates)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
