@@ -6,10 +6,10 @@ processes, where it is empty. The run's checkpoints keep it, though: ModelCheckp
 ``best_model_path`` and ``best_model_score``) is saved in every checkpoint's ``meta.json``, under a
 key that names the monitor and mode it ranks by. ``last.ckpt`` (the folder's run: what ``--ckpt_path
 last`` resumes), else the newest checkpoint, holds the newest record, so this module reads that record
-and checks that the checkpoint it names is still there and is that run's own: written into the folder
-the record's ModelCheckpoint saved into (a fit started from another run's checkpoint carries that
-run's best until its own first validation), and recording itself with the recorded score (a folder
-that two runs wrote before runs were kept apart, app/checkpoint/run_folder.py).
+and checks that the checkpoint it names is still there and is that run's own: its own record lists it
+by the path and score the record names. Another run's checkpoint of the same name does not (a fit
+started from another run's checkpoint carries that run's best until its own first validation; a
+folder two runs wrote before runs were kept apart, app/checkpoint/run_folder.py).
 
 Nothing here depends on the process that runs it: every rank that resolves ``best`` from the same
 folder gets the same path (nothing writes checkpoints before every rank has joined the job).
@@ -75,25 +75,22 @@ def find_best_checkpoint(checkpoint_dir: str | os.PathLike, monitor: str | None 
     if not _is_the_run_s_own(best, record):
         raise FileNotFoundError(
             f"ckpt_path best: {newest.name} records {record['best_model_path']} as the best by {record['monitor']} "
-            f"({record['score']:.6g}), but that is another run's checkpoint, not one this run saved into {folder} "
-            "(a fit started from another run's checkpoint, before its own first validation?); give a checkpoint path"
+            f"({record['score']:.6g}), but {best} is another run's checkpoint of that name (its own record lists no "
+            "such path and score); give a checkpoint path"
         )
     return BestCheckpoint(best, record["monitor"], record["mode"], record["score"], newest)
 
 
 def _is_the_run_s_own(best: Path, record: dict[str, Any]) -> bool:
-    """Whether ``best`` is the checkpoint ``record`` names: saved into the folder the record's run saved into,
-    and ranked there with the recorded score (its own record lists it among the top k as it was saved)."""
-    if Path(record["best_model_path"]).parent != Path(record["dirpath"]):
-        return False
+    """Whether ``best`` is the checkpoint ``record`` names: its own record, written as it was saved, lists
+    itself among the top k by the very path (where its run saved it) and score that ``record`` names."""
     try:
         own = json.loads((best / META_FILE).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError):
         return False
     for state in _rankings(own):
         if (state["monitor"], state["mode"]) == (record["monitor"], record["mode"]):
-            ranked = {Path(path).name: score for path, score in state["top_k"].items()}
-            return ranked.get(best.name) == record["score"]
+            return state["top_k"].get(record["best_model_path"]) == record["score"]
     return False
 
 
@@ -137,8 +134,7 @@ def _rankings(meta: dict[str, Any]) -> list[dict[str, Any]]:
         if monitor is None or not path or score is None or mode is None:
             continue  # no metric (checkpoints every N steps), or no validation yet
         top_k = {key: float(from_json_data(value)) for key, value in (state.get("best_k_models") or {}).items()}
-        rankings.append({"monitor": monitor, "mode": mode, "best_model_path": path, "score": float(score),
-                         "dirpath": state.get("dirpath") or str(Path(path).parent), "top_k": top_k})  # fmt: skip
+        rankings.append({"monitor": monitor, "mode": mode, "best_model_path": path, "score": float(score), "top_k": top_k})
     return rankings
 
 
