@@ -61,7 +61,10 @@ def final_validation(metrics_csv: Path) -> dict[str, float]:
 
 def train(recipe: str, settings: list[str], root: Path) -> dict[str, float]:
     """``python -m app fit`` of the recipe with ``settings``, writing under ``root``; its last validation."""
-    command = [sys.executable, "-m", "app", "fit", "--config", recipe, *settings, "--trainer.default_root_dir", str(root)]
+    # No checkpoints (the result is read from the metrics): a fit that saves them would go to <root>-2 when an
+    # output_dir given again holds an earlier run's (app/checkpoint/run_folder.py), not where it is read.
+    command = [sys.executable, "-m", "app", "fit", "--config", recipe, *settings, "--trainer.default_root_dir", str(root),
+               "--trainer.enable_checkpointing", "false"]  # fmt: skip
     finished = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     if finished.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited {finished.returncode}:\n{finished.stderr[-3000:]}")

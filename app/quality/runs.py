@@ -43,8 +43,10 @@ def fit(module: str, settings: list[str], folder: Path) -> FinishedRun:
         RuntimeError: with the end of the log when the run failed otherwise.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", module, "fit", *settings,
-               "--trainer.default_root_dir", str(folder), "--trainer.logger", CSV_LOGGER]  # fmt: skip
+    # No checkpoints (the results are read from the metrics): a fit that saves them would go to <folder>-2
+    # when a run_dir given again holds an earlier run's (app/checkpoint/run_folder.py), not where it is read.
+    command = [sys.executable, "-m", module, "fit", *settings, "--trainer.default_root_dir", str(folder),
+               "--trainer.logger", CSV_LOGGER, "--trainer.enable_checkpointing", "false"]  # fmt: skip
     log = folder / "fit.log"
     start_s = time.perf_counter()
     with log.open("w") as out:
