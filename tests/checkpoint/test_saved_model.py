@@ -71,13 +71,16 @@ def test_validate_takes_the_checkpoints_model_whatever_data_train_names(trained,
 
 def test_predict_and_export_take_the_checkpoints_model_on_one_and_three_processes(trained, sample, tmp_path):
     checkpoint, cache = str(trained["checkpoint"]), trained["cache"]
-    run_on_ranks(2, demo_args("predict", tmp_path / "named", sample["train"], sample["val"], cache, "--ckpt_path", checkpoint), tmp_path)
+    # Each into its own folder (by default predict writes into the checkpoint's run folder).
+    named = ["--ckpt_path", checkpoint, "--prediction_writer.output_dir", str(tmp_path / "named")]
+    run_on_ranks(2, demo_args("predict", tmp_path / "named", sample["train"], sample["val"], cache, *named), tmp_path)
     expected = probabilities(tmp_path / "named")
     assert expected.size == 300 and expected.std() > 0
     exported = export_checkpoint(checkpoint, str(tmp_path / "model.pt"))
     for world_size, source in ((1, checkpoint), (3, checkpoint), (1, str(exported)), (3, str(exported))):
         root = tmp_path / f"other_{world_size}_{Path(source).suffix.strip('.')}"
-        run_on_ranks(world_size, demo_args("predict", root, trained["other_train"], sample["val"], cache, "--ckpt_path", source), tmp_path)
+        scored = ["--ckpt_path", source, "--prediction_writer.output_dir", str(root)]
+        run_on_ranks(world_size, demo_args("predict", root, trained["other_train"], sample["val"], cache, *scored), tmp_path)
         # Tables sharded otherwise on 1 and 3 processes: the same rows, summed in another order.
         np.testing.assert_allclose(probabilities(root), expected, rtol=0, atol=1e-6, err_msg=f"{world_size} processes, {source}")
 

@@ -101,8 +101,9 @@ def test_fit_records_the_precision_it_chose_when_none_was_set(trained):
 
 
 def test_the_first_start_with_ckpt_path_last_trains_from_scratch(trained):
-    # SLURM's first start: no checkpoint yet; Lightning warns and the run starts at step 0.
-    assert 'ckpt_path="last") is set, but there is no last checkpoint available' in trained["log"]
+    # SLURM's first start: no checkpoint yet; the CLI warns and the run starts at step 0.
+    last = trained["root"] / "checkpoints" / "last.ckpt"
+    assert f"ckpt_path last: there is no {last} yet, so fit starts from scratch (a first start)" in trained["log"]
     assert "Restoring states from the checkpoint" not in trained["log"]
     steps = [int(row["step"]) for row in _metrics(trained["root"]) if row.get("train/loss")]
     assert steps == list(range(9, 80, 10))  # every step of both epochs, from the first one

@@ -246,7 +246,8 @@ def test_predict_maps_ids_as_training_did_from_a_checkpoint_and_an_export_and_re
     # The sizes stay `auto` and the threshold unset: both are the checkpoint's (it carries its model).
     no_training_data = ["--data.train", "null", "--data.val", "null", "--data.frequency_threshold", "0"]
     runs = [
-        cli_args("predict", tmp_path / "ckpt", data, "--ckpt_path", str(checkpoint), *no_training_data),
+        cli_args("predict", tmp_path / "ckpt", data, "--ckpt_path", str(checkpoint), *no_training_data,
+                 "--prediction_writer.output_dir", str(tmp_path / "ckpt")),  # not the checkpoint's run folder
         cli_args("predict", tmp_path / "export", data, "--ckpt_path", str(exported), *no_training_data),
         # Another threshold given: its ids would mean other things than the model's.
         cli_args("predict", tmp_path / "refused", data, "--ckpt_path", str(checkpoint), *no_training_data,
