@@ -81,7 +81,10 @@ def test_fit_learns_the_planted_signal(trained):
     val_auc = [float(row["val/auc"]) for row in _metrics(trained["root"]) if row.get("val/auc")]
     assert len(val_auc) == 2  # one exact evaluation per epoch
     # Chance is 0.5; the generator's Bayes AUC is ~0.80. 80 steps of batches of 1,024 are few for the demo's
-    # pairwise term, which starts slower than the MLP alone (0.674 then 0.700 here; docs/quality.md).
+    # pairwise term, which starts slower than the MLP alone (docs/quality.md). The demo's precision is the CPU's
+    # (app/train/precision.py), so the bound covers both: measured 0.674 then 0.699 under bf16 autocast with
+    # AVX512-BF16 kernels, 0.675 then 0.701 with oneDNN's bf16 emulated on AVX-512, 0.673 then 0.702 in float32
+    # (ATen, MKL, oneDNN and FBGEMM at AVX-512 or capped at AVX2 alike): 0.69 leaves 9e-3, over 3 times that spread.
     assert val_auc[-1] > 0.69 and val_auc[-1] > val_auc[0], val_auc
     # 40 steps an epoch (40,000 rows / 1,024, the short last one kept): the demo's log_every_n_steps 10
     # writes the rate after steps 10, 20, ..., 80 (Lightning's step column counts from 0). Its value
@@ -196,7 +199,7 @@ def test_fit_reads_real_criteo_rows(shared_criteo, tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     last = [row for row in _metrics(tmp_path) if row.get("val/auc")][-1]
-    # Trained and evaluated on the same real rows: the model must at least fit what it saw.
+    # Trained and evaluated on the same real rows: the model must at least fit what it saw (0.917 here).
     assert 0.6 < float(last["val/auc"]) <= 1.0, last
     assert 0.0 < float(last["val/logloss"]) < 1.0, last
 
@@ -245,4 +248,6 @@ def test_fit_trains_on_every_format(data_args, day_folders, tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     last = [row for row in _metrics(tmp_path) if row.get("val/auc")][-1]
-    assert float(last["val/auc"]) > 0.6, last  # the planted signal survives every conversion
+    # The planted signal survives every conversion. Precision is the CPU's: measured 0.668 / 0.634 / 0.701 (numpy,
+    # multi_hot, kaggle_split) under bf16 autocast, 0.672 / 0.633 / 0.694 in float32; 0.6 leaves over 4 times that spread.
+    assert float(last["val/auc"]) > 0.6, last
