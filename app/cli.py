@@ -15,7 +15,6 @@ from __future__ import annotations
 import inspect
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, Trainer
@@ -93,7 +92,6 @@ class DLRMCLI(LightningCLI):
                 init_args.save_dir = root
         _choose_precision(config.trainer)
         _check_early_stopping(config)
-        _check_last_can_be_found(config)
         if config.get("ckpt_path") == LAST:
             config.ckpt_path = last_checkpoint(config.checkpoint.dirpath, fitting=self.subcommand == "fit")
         if config.get("ckpt_path") == BEST:
@@ -110,7 +108,7 @@ class DLRMCLI(LightningCLI):
     def _take_model_from_checkpoint(self, config: Any) -> SavedModel | None:
         """The model ``--ckpt_path`` holds, its settings taken into this run's (a contradicting one refused),
         so that no stage reads the training data to rebuild what the checkpoint carries."""
-        path = _checkpoint_file(config)
+        path = config.get("ckpt_path")  # `last` and `best` resolved to paths by now
         if path is None:
             return None
         saved = read_saved_model(path)
@@ -175,16 +173,6 @@ def _as_list(setting: Any) -> list[Any]:
     return [] if setting is None else setting if isinstance(setting, list) else [setting]
 
 
-def _checkpoint_file(config: Any) -> str | None:
-    """The checkpoint ``ckpt_path`` names, as a path: ``last`` is the run's ``last.ckpt`` (None when there
-    is none yet: a first start); None without one."""
-    path = config.get("ckpt_path")
-    if path == "last":
-        last = Path(config.checkpoint.dirpath) / "last.ckpt"
-        return str(last) if last.exists() else None
-    return None if path is None else str(path)
-
-
 def _init_defaults(cls: type) -> dict[str, Any]:
     """The default of each ``__init__`` argument of ``cls``: what a setting is when not given."""
     parameters = inspect.signature(cls.__init__).parameters.values()
@@ -209,20 +197,6 @@ def _check_early_stopping(config: Any) -> None:
         raise ValueError(
             f"early_stopping.mode = {stopping.mode} but checkpoint.mode = {checkpoint.mode} for the same metric "
             f"{stopping.monitor}: set --early_stopping.mode {checkpoint.mode}"
-        )
-
-
-def _check_last_can_be_found(config: Any) -> None:
-    """Refuses ``--ckpt_path last`` with checkpointing off. Lightning looks for ``last`` through the run's
-    ModelCheckpoint, which ``trainer.enable_checkpointing: false`` removes: it would warn and then fit
-    from step 0, or validate an untrained model, even with last.ckpt in the folder (a GPU check that
-    resumed so trained from step 1). With checkpointing on and no checkpoint yet (a first start under
-    SLURM), it still starts afresh, as Lightning does."""
-    if config.get("ckpt_path") == "last" and config.trainer.get("enable_checkpointing") is False:
-        raise ValueError(
-            "ckpt_path last: trainer.enable_checkpointing is false, so Lightning has no ModelCheckpoint to find "
-            f"last.ckpt in {config.checkpoint.dirpath} with and would start from an untrained model; set "
-            "--trainer.enable_checkpointing true or give the checkpoint's path"
         )
 
 

@@ -84,7 +84,6 @@ def test_configs_name_no_output_path_but_the_run_folder(config):
         ),
         (["--model.compile_mode", "max-autotune"], "model.compile_mode = max-autotune applies to compiled dense layers: set model.compile: true"),
         (["--model.compile", "true", "--model.compile_mode", "fastest"], "model.compile_mode = 'fastest' is not a torch.compile mode"),
-        (["--trainer.enable_checkpointing", "false", "--ckpt_path", "last"], "ckpt_path last: trainer.enable_checkpointing is false"),
     ],
 )
 def test_bad_settings_stop_before_any_worker_with_one_line(args, message, sample_dir, capsys):
