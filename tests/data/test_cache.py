@@ -1,5 +1,5 @@
 """The one road from raw TSV to batches: the NumPy cache made by the data module's ``setup``, its reuse and
-redoing, table sizes from the data, and what each stage reads (issue 7)."""
+redoing, table sizes from the data, and what each stage reads."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The raw-TSV cache on storage shared by several nodes (issue 19, items 6 and 7): converted once
+"""The raw-TSV cache on storage shared by several nodes: converted once
 whatever the number of converters, a converter that finds another node converting waits for it or
 stops with one line naming the folder and the holder, files written under names of their own, and
 the ranks that wait for the conversion at start-up wait at a bounded barrier.

@@ -173,7 +173,7 @@ def test_short_rows_are_padded_on_the_right(tmp_path):
     arrays = read_tsv(write(tmp_path, [GOOD, short]), RAW)
     np.testing.assert_array_equal(arrays.sparse[1, :24], arrays.sparse[0, :24])
     np.testing.assert_array_equal(arrays.sparse[1, 24:], [0, 0])
-    # Label and I1..I13 are the least a row may keep (issue 7): anything shorter is a cut-off line.
+    # Label and I1..I13 are the least a row may keep: anything shorter is a cut-off line.
     least = read_tsv(write(tmp_path, [GOOD, "\t".join(GOOD.split("\t")[:14])], name="least.tsv"), RAW)
     np.testing.assert_array_equal(least.dense[1], least.dense[0])
     assert not least.sparse[1].any()

@@ -69,7 +69,7 @@ def _check_continues(resumed: dict, uninterrupted: dict, loss_atol: float) -> fl
 
 @pytest.mark.parametrize("sparse, dense", [("row_wise_adagrad", "sgd"), ("adam", "adam")])
 def test_resuming_from_last_reproduces_the_uninterrupted_run(sparse, dense, app_runs, reference_args, record_property):
-    # Adam: FBGEMM's fused Adam keeps no step count of its own (issue 16 item 9); a resume that restarted
+    # Adam: FBGEMM's fused Adam keeps no step count of its own; a resume that restarted
     # its bias correction would train other losses after step 10.
     args = with_settings(reference_args, model__sparse_optimizer=sparse, model__dense_optimizer=dense)
     (uninterrupted,) = app_runs("reference" if sparse == "row_wise_adagrad" else f"optimizers_{sparse}_{dense}", 1, args)
