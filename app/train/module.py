@@ -202,8 +202,8 @@ class DLRMModule(LightningModule):
         # module has counted them behind the strategy's barrier. Its dense layers then draw their initial
         # weights from the random state of now, as when built here: the same model whether sizes were set
         # or counted.
-        self._rng_state_at_init = torch.get_rng_state()
         self._waits_for_table_sizes = num_embeddings_per_feature is None
+        self._rng_state_at_init = torch.get_rng_state() if self._waits_for_table_sizes else None
         if not self._waits_for_table_sizes:
             self._build_model(num_embeddings_per_feature)
         else:
