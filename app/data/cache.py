@@ -62,6 +62,7 @@ class CacheRequest:
     cache_dir: Path | None = None  # None: DEFAULT_CACHE_FOLDER beside the first input
     workers: int | None = None  # conversion processes (and threads); None: the cores here
     wait_s: float = DEFAULT_WAIT_S  # for another process converting the same folder
+    parquet_schema: dict[str, Any] | None = None  # Parquet inputs: their feature schema; None: raw TSV
 
     @property
     def folder(self) -> Path:
@@ -84,7 +85,7 @@ class CacheRequest:
             "dense_transform": self.dense_transform,
             "on_bad_rows": self.on_bad_rows,
             "inputs": inputs,
-        }
+        } | ({"parquet_schema": self.parquet_schema} if self.parquet_schema is not None else {})
 
 
 def cached_days(request: CacheRequest, convert: bool = True) -> Path:
@@ -229,6 +230,7 @@ def _convert(request: CacheRequest, folder: Path) -> None:
         dense_transform=request.dense_transform,
         on_bad_rows=request.on_bad_rows,
         progress=sys.stderr.isatty(),
+        parquet_schema=request.parquet_schema,
     )
     preprocess(config)
 

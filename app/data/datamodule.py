@@ -31,11 +31,12 @@ from app.data.formats import DataFormat, ReadOptions, open_days, read_tsv_split,
 from app.data.frequency_threshold import mapped_days, training_vocabulary
 from app.data.loader import ResumableBatchLoader, ignore_preemption_signals
 from app.data.numpy_days import NumpyDaysSource
+from app.data.parquet.schema import ParquetSchema
 from app.data.preprocess import RAW_IDS, Vocabulary
 from app.data.source import RowSource
 from app.data.splits import SPLITS_BY_STAGE, SplitFiles, SplitName, part_rows, split_files
 from app.data.table_sizes import SETTING as TABLE_SIZES_SETTING
-from app.data.table_sizes import TableSizeSetting, sizes_as_set, sizes_from_days, sizes_from_vocabulary
+from app.data.table_sizes import CACHED_FORMATS, TableSizeSetting, sizes_as_set, sizes_from_days, sizes_from_vocabulary
 from app.data.tsv import CriteoArrays, DenseTransform, OnBadRows
 from app.data.vocabulary_coverage import DEFAULT_WARN_SHARE, OutsideCounts, check_warn_share, from_metadata, report
 from app.data.vocabulary_state import VocabularyState, warn_about_small_tables
@@ -66,7 +67,8 @@ class CriteoDataModule(LightningDataModule):
         root: the data of ``split``: Kaggle's train.txt (or its preprocessed folder), or the Terabyte
             folder of day_0..day_23 (raw, .gz, or preprocessed).
         format: ``auto`` (a folder of day_N_*.npy is numpy, of day_N_sparse_multi_hot.npz multi_hot,
-            anything else raw TSV), or one of ``tsv``, ``numpy``, ``multi_hot``.
+            ``.parquet`` files parquet, anything else raw TSV), or one of ``tsv``, ``numpy``,
+            ``multi_hot``, ``parquet``.
         batch_size: rows per batch on each process (the global batch is this times the world size).
         num_embeddings_per_feature: rows of each embedding table: 26 sizes, one size for all, or
             ``auto``: from the training data, the exact number of distinct ids per feature (with
@@ -108,6 +110,10 @@ class CriteoDataModule(LightningDataModule):
             source than the training data, whose ids the model does not know. The default, 0.9, lies
             between held-out rows of the training data and rows of another source (measured in
             app/data/vocabulary_coverage.py).
+        schema: for ``format: parquet`` (or ``.parquet`` files under ``auto``): which columns are the label,
+            the 13 dense and the 26 categorical features, and how each is read (docs/own-data.md).
+            Default: Criteo's column names, as ``python -m app.data.to_parquet`` writes them. Parquet is
+            converted into the cache like raw TSV (also for ``predict``), so every other setting applies.
     """
 
     def __init__(
@@ -131,6 +137,7 @@ class CriteoDataModule(LightningDataModule):
         prepare_data_per_node: bool = True,
         frequency_threshold: int = 0,
         out_of_vocabulary_warn_share: float = DEFAULT_WARN_SHARE,
+        schema: ParquetSchema | None = None,
     ) -> None:
         super().__init__()
         if batch_size < 1:
@@ -146,6 +153,7 @@ class CriteoDataModule(LightningDataModule):
         self._predict_place = (0, 1)  # (rank, world size) of the predict rows still to be mapped
         self.specs = {name: spec for name, spec in (("train", train), ("val", val), ("test", test), ("predict", predict)) if spec is not None}
         self.split, self.root, self.format = split, root, format
+        self.schema = schema if schema is not None else ParquetSchema()
         self._check_split_settings()
         self.on_bad_rows, self.dense_transform = on_bad_rows, dense_transform
         self.cache_dir = None if cache_dir is None else Path(cache_dir).expanduser()
@@ -183,10 +191,11 @@ class CriteoDataModule(LightningDataModule):
         return CacheRequest(
             files.files, self.dense_transform, self.on_bad_rows, self.cache_dir, self.cache_workers,
             wait_s=conversion_wait_s(self.trainer),
+            parquet_schema=self.schema.as_dict() if files.format == "parquet" else None,
         )
 
     def _check_threshold_applies(self, files: SplitFiles) -> None:
-        if files.format == "tsv":
+        if files.format in CACHED_FORMATS:
             return
         where, threshold = files.setting, self.frequency_threshold
         if files.format == "multi_hot":
@@ -247,7 +256,7 @@ class CriteoDataModule(LightningDataModule):
             self.table_sizes = sizes_from_vocabulary(self._vocabulary(convert))
             rank_zero_info(f"{TABLE_SIZES_SETTING}: auto -> {self.table_sizes} (the vocabulary sizes + 2)")
             return
-        folder = cached_days(self._cache_request(train), convert) if train.format == "tsv" else None
+        folder = cached_days(self._cache_request(train), convert) if train.format in CACHED_FORMATS else None
         self.table_sizes, source = sizes_from_days(train, folder)
         rank_zero_info(f"{TABLE_SIZES_SETTING}: auto -> {self.table_sizes} (from {source})")
 
@@ -274,7 +283,7 @@ class CriteoDataModule(LightningDataModule):
         the tables needs."""
         self._size_tables(convert=True)
         for name, files in self._files(stage).items():
-            if files.format == "tsv" and name != "predict":
+            if files.format in CACHED_FORMATS and (name != "predict" or files.format == "parquet"):
                 self._cached_folder(files, convert=True)
 
     def setup(self, stage: str) -> None:
@@ -314,9 +323,9 @@ class CriteoDataModule(LightningDataModule):
 
     def _open(self, name: str, files: SplitFiles, convert: bool) -> tuple[RowSource, int, str | None]:
         """The rows of a split's files, with the number of malformed rows skipped and the first one."""
-        if files.format != "tsv":
+        if files.format not in CACHED_FORMATS:
             return open_days(files.files[0], files.format, files.days, self.options), 0, None
-        if name == "predict":
+        if name == "predict" and files.format == "tsv":
             # With a threshold: the raw 32-bit ids, mapped once a vocabulary is known (predict_dataloader).
             options = ReadOptions(RAW_IDS, self.on_bad_rows, self.dense_transform) if self.frequency_threshold else self.options
             arrays = read_tsv_split(files.files, options, labelled=None)
@@ -324,7 +333,7 @@ class CriteoDataModule(LightningDataModule):
         folder = self._cached_folder(files, convert)
         metadata = read_metadata(folder)
         unlabelled = [day["input"] for day in metadata["days"] if not day["labelled"]]
-        if unlabelled:
+        if unlabelled and name != "predict":
             raise ValueError(f"data.{name}: {unlabelled[0]} has no label column (39 fields); only predict reads unlabelled rows")
         first = next((day["first_skipped_row"] for day in metadata["days"] if day["first_skipped_row"]), None)
         source = NumpyDaysSource.from_directory(folder, None, self.table_sizes)

@@ -10,10 +10,11 @@ from typing import Literal
 
 from app.data.multi_hot import MultiHotDaysSource
 from app.data.numpy_days import NumpyDaysSource
+from app.data.parquet.files import is_parquet_input
 from app.data.source import RowSource
 from app.data.tsv import CriteoArrays, DenseTransform, OnBadRows, read_tsv_files
 
-DataFormat = Literal["auto", "tsv", "numpy", "multi_hot"]
+DataFormat = Literal["auto", "tsv", "numpy", "multi_hot", "parquet"]
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,10 @@ class ReadOptions:
 
 
 def detect_format(path: Path) -> str:
-    """``multi_hot`` or ``numpy`` for a directory of preprocessed day files, ``tsv`` otherwise."""
+    """``multi_hot`` or ``numpy`` for a directory of preprocessed day files, ``parquet`` for ``.parquet``
+    files (or a folder of them), ``tsv`` otherwise."""
+    if is_parquet_input(path):
+        return "parquet"
     if path.is_dir():
         names = [p.name for p in path.iterdir()]
         if any(MultiHotDaysSource.day_file.fullmatch(n) for n in names):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from app.data.formats import DataFormat, detect_format
+from app.data.parquet.files import parquet_files
 from app.data.paths import expand_paths
 
 SplitName = Literal["kaggle", "terabyte"]
@@ -105,6 +106,8 @@ def _given_files(setting: str, spec: str | list[str], data_format: DataFormat) -
     try:
         if resolved == "tsv":
             return SplitFiles(setting, tuple(expand_paths(spec)), "tsv")
+        if resolved == "parquet":
+            return SplitFiles(setting, tuple(parquet_files(spec)), "parquet")
         if not isinstance(spec, str):
             raise ValueError(f"{setting}: the {resolved} format takes one directory, got a list {list(spec)}")
         if not first.is_dir():

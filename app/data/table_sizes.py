@@ -30,6 +30,9 @@ def sizes_as_set(setting: TableSizeSetting) -> list[int] | None:
     return expand_table_sizes(setting, SETTING)  # type: ignore[arg-type]
 
 
+CACHED_FORMATS = ("tsv", "parquet")  # converted into the cache's NumPy days before they are read
+
+
 def sizes_from_vocabulary(vocabulary: Vocabulary) -> list[int]:
     """``auto`` with ``data.frequency_threshold``: one row per kept id, plus the shared and the missing id."""
     return list(vocabulary.table_sizes)
@@ -39,8 +42,8 @@ def sizes_from_days(train: SplitFiles, cached_folder: Path | None) -> tuple[list
     """``auto`` without a threshold: the exact number of distinct ids per feature, from the metadata of
     the training data's cached days (``cached_folder``, raw TSV) or of its preprocessed NumPy folder.
     Returns the sizes and the metadata file they came from."""
-    if train.format == "tsv":
-        assert cached_folder is not None, "raw TSV is sized from its cache"
+    if train.format in CACHED_FORMATS:
+        assert cached_folder is not None, "raw TSV and Parquet are sized from their cache"
         folder = cached_folder
     elif train.format == "numpy":
         folder = train.files[0]

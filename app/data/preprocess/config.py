@@ -27,6 +27,7 @@ class Config:
     on_bad_rows: str = "error"
     block_mib: int = DEFAULT_BLOCK_MIB
     progress: bool = True
+    parquet_schema: dict[str, Any] | None = None  # Parquet inputs: ParquetSchema.as_dict(); None: raw TSV
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class DayTask:
     vocabulary_dir: Path | None  # where vocab_feature_j.npy are, or None for raw ids
     signature: dict[str, Any] = field(default_factory=dict)  # what makes two runs' days alike
     num_threads: int = 1  # parse threads of the worker (more when there are fewer files than cores)
+    parquet_schema: dict[str, Any] | None = None  # Parquet input: ParquetSchema.as_dict(); None: raw TSV
 
     def path(self, part: str) -> Path:
         """``day_N_<part>`` in the output folder, e.g. ``part="dense.npy"``."""

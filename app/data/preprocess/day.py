@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 
 import numpy as np
 
 from app.criteo import NUM_DENSE, NUM_SPARSE
+from app.data.parquet.reader import iter_parquet_chunks
+from app.data.parquet.schema import ParquetSchema
 from app.data.preprocess.chunks import iter_chunks
 from app.data.preprocess.config import DayResult, DayTask
 from app.data.preprocess.files import NpyStreamWriter, save_npz_atomically
@@ -16,6 +19,7 @@ from app.data.preprocess.id_counts import DistinctIds
 from app.data.preprocess.resume import input_info
 from app.data.preprocess.vocabulary import load_vocabularies, map_to_contiguous
 from app.data.preprocess.workers import report_rows
+from app.data.tsv import CriteoArrays
 
 
 def convert_day(task: DayTask) -> DayResult:
@@ -31,9 +35,7 @@ def convert_day(task: DayTask) -> DayResult:
     ]
     counter, positives, skipped, labelled, first_bad_row = DistinctIds(), 0, 0, True, None
     try:
-        for arrays, skipped_here in iter_chunks(
-            task.input, task.dense_transform, task.on_bad_rows, task.block_bytes, task.num_threads
-        ):
+        for arrays, skipped_here in _chunks(task):
             counter.add_ids(arrays.sparse)
             sparse = arrays.sparse if vocabularies is None else map_to_contiguous(arrays.sparse, vocabularies)
             for writer, part in zip(writers, (arrays.dense, sparse, arrays.labels)):
@@ -55,6 +57,13 @@ def convert_day(task: DayTask) -> DayResult:
             writer.abort()
         raise
     return DayResult(task.day, writers[0].rows, time.perf_counter() - started)
+
+
+def _chunks(task: DayTask) -> Iterator[tuple[CriteoArrays, int]]:
+    """The input's rows with raw ids, chunk by chunk: Parquet by the schema's columns, else raw TSV."""
+    if task.parquet_schema is not None:
+        return iter_parquet_chunks(task.input, ParquetSchema.from_dict(task.parquet_schema), task.block_bytes)
+    return iter_chunks(task.input, task.dense_transform, task.on_bad_rows, task.block_bytes, task.num_threads)
 
 
 def _save_day_stats(task: DayTask, stats: dict, counter: DistinctIds) -> None:

@@ -25,7 +25,7 @@ def day_signature(config: Config, vocabulary: dict[str, Any] | None) -> dict[str
         "dense_transform": config.dense_transform,
         "frequency_threshold": vocabulary["threshold"] if vocabulary else 0,
         "vocabulary_sizes": vocabulary["sizes"] if vocabulary else None,
-    }
+    } | ({"parquet_schema": config.parquet_schema} if config.parquet_schema else {})
 
 
 def counted_already(task: DayTask) -> bool:

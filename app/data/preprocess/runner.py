@@ -29,7 +29,8 @@ def run(config: Config) -> dict[str, Any]:
     signature = day_signature(config, vocabulary)
     tasks = [
         DayTask(day, path, config.output, config.dense_transform, config.on_bad_rows,
-                config.block_mib << 20, vocabulary["dir"] if vocabulary else None, signature)
+                config.block_mib << 20, vocabulary["dir"] if vocabulary else None, signature,
+                parquet_schema=config.parquet_schema)
         for day, path in enumerate(inputs)
     ]
     warn_about_other_days(config.output, len(tasks))

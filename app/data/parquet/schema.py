@@ -1,0 +1,100 @@
+"""The feature schema of Parquet input (``data.schema``): which columns are the label, the dense
+features and the categorical features, and how each becomes a model input.
+
+The model has Criteo's shape (13 dense features, 26 embedding tables, ``app/criteo.py``), so a schema
+names 13 dense and 26 categorical columns, in the order of the model's inputs. Without a schema the
+columns are Criteo's own names, as ``python -m app.data.to_parquet`` writes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from app.criteo import DENSE_NAMES, NUM_DENSE, NUM_SPARSE, SPARSE_NAMES
+
+DenseTransformName = Literal["log1p", "none"]
+IdKind = Literal["integer", "string", "hex"]
+
+
+@dataclass(frozen=True)
+class DenseColumn:
+    """A numeric column read as one dense feature.
+
+    Args:
+        name: the column's name in the Parquet files (integer or floating point).
+        transform: ``log1p``: log(max(x, 0) + 1), computed in float64 and rounded once to float32
+            (as for raw TSV); ``none``: the value as float32.
+        fill: the value of a null (missing) entry; unset (null): a null stops the conversion,
+            naming the file, the column, the row group and how many there are.
+    """
+
+    name: str
+    transform: DenseTransformName = "log1p"
+    fill: float | None = None
+
+
+@dataclass(frozen=True)
+class CategoricalColumn:
+    """A column of ids read as one categorical feature (one embedding table).
+
+    Args:
+        name: the column's name in the Parquet files.
+        ids: ``integer``: integer ids in 0 .. 2**32 - 1, kept as they are (others stop the conversion);
+            ``string``: any strings, hashed to 32-bit ids (64-bit FNV-1a folded to 32 bits);
+            ``hex``: strings of 1 to 8 hexadecimal digits, read as the number they write (Criteo's ids,
+            so that Parquet and raw TSV give the very same ids). A null is id 0, as an empty TSV field.
+    """
+
+    name: str
+    ids: IdKind = "string"
+
+
+def _criteo_dense() -> list[DenseColumn]:
+    return [DenseColumn(name, "log1p", 0.0) for name in DENSE_NAMES]
+
+
+def _criteo_categorical() -> list[CategoricalColumn]:
+    return [CategoricalColumn(name, "hex") for name in SPARSE_NAMES]
+
+
+@dataclass(frozen=True)
+class ParquetSchema:
+    """Which Parquet columns are the label and the features (``data.format: parquet``).
+
+    Args:
+        label: the label column: 0/1 (integer, boolean or floating point); nulls and other values stop
+            the conversion. A file without it is unlabelled (only ``predict`` reads those).
+        dense: 13 numeric columns, the model's dense inputs in order. Default: I1..I13, log1p, nulls 0.
+        categorical: 26 id columns, one embedding table each, in order (table sizes, the frequency
+            threshold and the vocabulary apply to them as to Criteo's C1..C26). Default: C1..C26 as hex.
+    """
+
+    label: str = "label"
+    dense: list[DenseColumn] = field(default_factory=_criteo_dense)
+    categorical: list[CategoricalColumn] = field(default_factory=_criteo_categorical)
+
+    def __post_init__(self) -> None:
+        if len(self.dense) != NUM_DENSE:
+            raise ValueError(f"data.schema.dense has {len(self.dense)} columns; the model takes {NUM_DENSE} dense features")
+        if len(self.categorical) != NUM_SPARSE:
+            raise ValueError(
+                f"data.schema.categorical has {len(self.categorical)} columns; the model has {NUM_SPARSE} embedding tables"
+            )
+        names = [self.label] + [c.name for c in self.dense] + [c.name for c in self.categorical]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"data.schema names column {repeated[0]!r} more than once")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The schema as plain JSON values: for the cache's fingerprint and the conversion's workers."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ParquetSchema:
+        """The schema :meth:`as_dict` gave."""
+        return cls(
+            values["label"],
+            [DenseColumn(**column) for column in values["dense"]],
+            [CategoricalColumn(**column) for column in values["categorical"]],
+        )

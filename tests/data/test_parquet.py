@@ -1,0 +1,128 @@
+"""Parquet input: the converter, the cache's days from Parquet equal to raw TSV's (so every batch
+after the vocabulary's mapping is the same), string and integer ids, and every bad input refused with
+the file, the column and the row group."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from app.criteo import DENSE_NAMES, SPARSE_NAMES
+from app.data.datamodule import CriteoDataModule
+from app.data.parquet.reader import iter_parquet_chunks, string_hashes
+from app.data.parquet.schema import CategoricalColumn, DenseColumn, ParquetSchema
+from app.data.synthetic import write_synthetic_criteo
+from app.data.to_parquet import main as to_parquet_main
+
+
+@pytest.fixture(scope="module")
+def roads(tmp_path_factory) -> dict[str, Path]:
+    """A synthetic Criteo split as raw TSV and, converted by the command, as Parquet (small row groups)."""
+    folder = tmp_path_factory.mktemp("roads")
+    write_synthetic_criteo(folder / "train.tsv", num_rows=3_000, seed=3)
+    write_synthetic_criteo(folder / "val.tsv", num_rows=500, seed=4)
+    assert to_parquet_main(["--input", f"[{folder / 'train.tsv'}, {folder / 'val.tsv'}]", "--output", str(folder / "pq"),
+                            "--row_group_rows", "1000"]) == 0  # fmt: skip
+    return {"folder": folder, "train.tsv": folder / "train.tsv", "val.tsv": folder / "val.tsv",
+            "train.parquet": folder / "pq" / "train.parquet", "val.parquet": folder / "pq" / "val.parquet"}  # fmt: skip
+
+
+def batches(data: CriteoDataModule, split: str) -> list:
+    loader = data.train_dataloader() if split == "train" else data.val_dataloader()
+    return list(loader)
+
+
+def test_the_parquet_road_gives_the_tsv_roads_batches_after_the_vocabulary(roads):
+    modules = {}
+    for road in ("tsv", "parquet"):
+        modules[road] = CriteoDataModule(
+            train=str(roads[f"train.{road}"]), val=str(roads[f"val.{road}"]), batch_size=128, frequency_threshold=2,
+            num_embeddings_per_feature="auto", cache_dir=str(roads["folder"] / f"cache_{road}"), cache_workers=1, seed=5,
+        )  # fmt: skip
+        modules[road].setup("fit")
+    assert modules["tsv"].table_sizes == modules["parquet"].table_sizes
+    for split in ("train", "val"):
+        tsv, parquet = batches(modules["tsv"], split), batches(modules["parquet"], split)
+        assert len(tsv) == len(parquet) > 1
+        for a, b in zip(tsv, parquet):
+            assert a.dense_features.equal(b.dense_features) and a.labels.equal(b.labels)
+            assert a.sparse_features.values().equal(b.sparse_features.values())
+            assert a.sparse_features.lengths().equal(b.sparse_features.lengths())
+
+
+def test_the_converter_writes_named_columns_with_string_ids_and_nulls_for_empty_fields(roads):
+    table = pq.read_table(roads["train.parquet"])
+    assert table.column_names == ["label", *DENSE_NAMES, *SPARSE_NAMES]
+    assert pq.ParquetFile(roads["train.parquet"]).metadata.num_row_groups == 3
+    first = roads["train.tsv"].read_text().splitlines()[0].split("\t")
+    row = table.slice(0, 1).to_pylist()[0]
+    assert row["label"] == int(first[0])
+    assert [row[n] for n in DENSE_NAMES] == [int(f) if f else None for f in first[1:14]]
+    assert [row[n] for n in SPARSE_NAMES] == [f or None for f in (first[14:] + [""] * 26)[:26]]
+
+
+def test_string_ids_hash_equal_strings_equally_and_nulls_to_id_zero(tmp_path):
+    words = ["user-1", "user-2", "user-1", None, "élan", ""]
+    hashes = string_hashes(pa.array(["user-1", "user-2", "élan", ""], pa.large_string()))
+    assert len(set(hashes.tolist())) == 4
+    # FNV-1a 64 of b"" is its offset basis; folded to 32 bits by xor of the halves.
+    assert hashes[3] == (0xCBF29CE484222325 ^ (0xCBF29CE484222325 >> 32)) & 0xFFFFFFFF
+    schema = ParquetSchema(dense=[DenseColumn(n, "none", 0.0) for n in DENSE_NAMES],
+                           categorical=[CategoricalColumn("user", "string")] + [CategoricalColumn(n, "integer") for n in SPARSE_NAMES[1:]])  # fmt: skip
+    columns = {"label": [0, 1, 1, 0, 1, 0], "user": words} | {n: [2.5] * 6 for n in DENSE_NAMES}
+    columns |= {n: [7] * 6 for n in SPARSE_NAMES[1:]}
+    pq.write_table(pa.table(columns), tmp_path / "own.parquet")
+    (arrays, _), = list(iter_parquet_chunks(tmp_path / "own.parquet", schema, 1 << 20))
+    user = arrays.sparse[:, 0]
+    assert user.tolist() == [hashes[0], hashes[1], hashes[0], 0, hashes[2], hashes[3]]
+    assert (arrays.sparse[:, 1:] == 7).all() and (arrays.dense == 2.5).all()
+    assert arrays.labels.tolist() == [0, 1, 1, 0, 1, 0]
+
+
+def criteo_columns(rows: int = 4) -> dict[str, list]:
+    return {"label": [0, 1] * (rows // 2)} | {n: [1] * rows for n in DENSE_NAMES} | {n: ["0a"] * rows for n in SPARSE_NAMES}
+
+
+def refused(tmp_path: Path, columns: dict, schema: ParquetSchema | None = None, row_group_size: int = 2) -> str:
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+    with pytest.raises(ValueError) as error:
+        list(iter_parquet_chunks(path, schema or ParquetSchema(), 1 << 20))
+    assert str(path) in str(error.value)
+    return str(error.value)
+
+
+def test_bad_parquet_inputs_are_refused_naming_the_file_column_and_row_group(tmp_path):
+    missing = criteo_columns()
+    del missing["C7"]
+    assert "column 'C7' of data.schema is missing" in refused(tmp_path, missing)
+    assert "column 'I3' holds string; data.schema declares numbers" in refused(tmp_path, criteo_columns() | {"I3": ["1"] * 4})
+    assert "column 'C2' holds list<element: string>; data.schema declares strings" in refused(tmp_path, criteo_columns() | {"C2": [["0a"]] * 4})
+    integer_ids = replace(ParquetSchema(), categorical=[CategoricalColumn(n, "integer") for n in SPARSE_NAMES])
+    assert "column 'C1' holds string; data.schema declares integers" in refused(tmp_path, criteo_columns(), integer_ids)
+    negative = criteo_columns() | {n: [5] * 4 for n in SPARSE_NAMES} | {"C4": [1, 2, 3, -1]}
+    assert "row group 1: column 'C4' holds 1 ids outside 0 .. 2**32 - 1 (the first: -1)" in refused(tmp_path, negative, integer_ids)
+    assert "row group 1: label column 'label' has 1 null values" in refused(tmp_path, criteo_columns() | {"label": [0, 1, None, 1]})
+    assert "row group 0: label column 'label' holds 1 values other than 0 and 1 (the first: 2 at row 1" in refused(
+        tmp_path, criteo_columns() | {"label": [0, 2, 1, 1]})
+    no_fill = replace(ParquetSchema(), dense=[DenseColumn(n) for n in DENSE_NAMES])
+    message = refused(tmp_path, criteo_columns() | {"I5": [1, None, None, 1]}, no_fill)
+    assert "row group 0: dense column 'I5' has 1 null values; set its fill" in message
+    assert "column 'C9' holds 'xyz', not 1 to 8 hexadecimal digits" in refused(tmp_path, criteo_columns() | {"C9": ["xyz"] * 4})
+    assert "the Parquet file holds no rows (row groups: 1)" in refused(tmp_path, {k: pa.array([], pa.int64()) for k in ["label", *DENSE_NAMES]}
+                                                        | {n: pa.array([], pa.string()) for n in SPARSE_NAMES})  # fmt: skip
+    (tmp_path / "text.parquet").write_text("not parquet")
+    with pytest.raises(ValueError, match="text.parquet: not a readable Parquet file"):
+        list(iter_parquet_chunks(tmp_path / "text.parquet", ParquetSchema(), 1 << 20))
+
+
+def test_a_schema_of_another_shape_or_repeating_a_column_is_refused():
+    with pytest.raises(ValueError, match="data.schema.dense has 2 columns; the model takes 13"):
+        ParquetSchema(dense=[DenseColumn("a"), DenseColumn("b")])
+    with pytest.raises(ValueError, match="names column 'I1' more than once"):
+        ParquetSchema(label="I1")
