@@ -101,10 +101,14 @@ def test_refused_settings_name_the_setting(tmp_path, hand_made):
     with pytest.raises(ValueError, match=r"^data\.frequency_threshold = -1 must be >= 0 \(0 = off\)$"):
         module(tmp_path, train=train, frequency_threshold=-1)
     c2_rare = write_rows(tmp_path / "c2.tsv", [["0a", "10"], ["0a", "10"], ["0a", "20"]])
-    with pytest.raises(ValueError, match=r"^data\.frequency_threshold = 3 leaves C2 with no id: each of its 2 distinct ids "
-                                         r"in data\.train is seen fewer than 3 times; lower the threshold$"):
-        module(tmp_path, train=str(c2_rare), frequency_threshold=3).setup("fit")
-    with pytest.raises(ValueError, match=r"^--frequency_threshold 3 leaves C2 with no id: .* in the inputs"):
+    # Not refused: every C2 row gets the out-of-vocabulary id 1, with one warning naming the feature.
+    with pytest.warns(UserWarning, match=r"^data\.frequency_threshold = 3 leaves C2 with no id: each of its 2 distinct ids "
+                                         r"in data\.train is seen fewer than 3 times, so every row gets its out-of-vocabulary id 1") as seen:
+        all_rare = module(tmp_path, train=str(c2_rare), frequency_threshold=3)
+        all_rare.setup("fit")
+    assert sum("leaves" in str(w.message) for w in seen) == 1
+    assert all_rare.table_sizes[:2] == [3, 2] and (all_ids(all_rare, "train")[:, 1] == 1).all()
+    with pytest.warns(UserWarning, match=r"^--frequency_threshold 3 leaves C2 with no id: .* in the inputs"):
         preprocess(str(c2_rare), str(tmp_path / "c2_days"), workers=1, frequency_threshold=3, progress=False)
     # Preprocessed NumPy days fixed their ids when they were made: the threshold cannot apply there.
     preprocess(train, str(tmp_path / "numpy"), workers=1, progress=False)

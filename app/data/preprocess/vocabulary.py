@@ -14,6 +14,7 @@ import hashlib
 import json
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,8 +128,9 @@ def save_vocabularies(
 ) -> dict[str, Any]:
     """Merge the files' id counts one feature at a time (memory: one feature's distinct ids), keep
     the ids seen >= threshold times; ``vocabulary.json`` is written last, marking them complete.
-    Returns what it wrote there. A feature left with no id is refused, naming it and ``setting``
-    (every row would share one id: the feature would say nothing)."""
+    Returns what it wrote there. A feature left with no id is kept with an empty vocabulary: all its
+    rows share the out-of-vocabulary row (the feature then says nothing), with one warning naming it
+    and ``setting`` (small data sets, where every id of a feature is rare, train instead of stopping)."""
     sizes, digest = [], hashlib.sha256()
     for j in range(NUM_SPARSE):
         counter = IdCounter()
@@ -138,9 +140,11 @@ def save_vocabularies(
         counter.merge()
         kept = counter.keys[counter.counts >= threshold]
         if kept.size == 0 and counter.keys.size:
-            raise ValueError(
+            warnings.warn(
                 f"{setting} {threshold} leaves {SPARSE_NAMES[j]} with no id: each of its {counter.keys.size} "
-                f"distinct ids in {counted_over} is seen fewer than {threshold} times; lower the threshold"
+                f"distinct ids in {counted_over} is seen fewer than {threshold} times, so every row gets its "
+                "out-of-vocabulary id 1; lower the threshold for the feature to say something",
+                stacklevel=2,
             )
         save_npy_atomically(vocabulary_path(folder, j), kept)
         sizes.append(int(kept.size))
