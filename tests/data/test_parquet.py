@@ -72,15 +72,15 @@ def test_string_ids_hash_equal_strings_equally_and_nulls_to_id_zero(tmp_path):
     assert len(set(hashes.tolist())) == 4
     # FNV-1a 64 of b"" is its offset basis; folded to 32 bits by xor of the halves.
     assert hashes[3] == (0xCBF29CE484222325 ^ (0xCBF29CE484222325 >> 32)) & 0xFFFFFFFF
-    schema = ParquetSchema(dense=[DenseColumn(n, "none", 0.0) for n in DENSE_NAMES],
-                           categorical=[CategoricalColumn("user", "string")] + [CategoricalColumn(n, "integer") for n in SPARSE_NAMES[1:]])  # fmt: skip
-    columns = {"label": [0, 1, 1, 0, 1, 0], "user": words} | {n: [2.5] * 6 for n in DENSE_NAMES}
-    columns |= {n: [7] * 6 for n in SPARSE_NAMES[1:]}
+    # Fewer columns than the model's inputs: the others hold dense 0 and id 0.
+    schema = ParquetSchema(dense=[DenseColumn("price", "none", 0.0)],
+                           categorical=[CategoricalColumn("user", "string"), CategoricalColumn("item", "integer")])  # fmt: skip
+    columns = {"label": [0, 1, 1, 0, 1, 0], "user": words, "item": [7, 8, 9, 7, None, 2**32 - 1], "price": [2.5, None] * 3}
     pq.write_table(pa.table(columns), tmp_path / "own.parquet")
     (arrays, _), = list(iter_parquet_chunks(tmp_path / "own.parquet", schema, 1 << 20))
-    user = arrays.sparse[:, 0]
-    assert user.tolist() == [hashes[0], hashes[1], hashes[0], 0, hashes[2], hashes[3]]
-    assert (arrays.sparse[:, 1:] == 7).all() and (arrays.dense == 2.5).all()
+    assert arrays.sparse[:, 0].tolist() == [hashes[0], hashes[1], hashes[0], 0, hashes[2], hashes[3]]
+    assert arrays.sparse[:, 1].tolist() == [7, 8, 9, 7, 0, 2**32 - 1] and (arrays.sparse[:, 2:] == 0).all()
+    assert arrays.dense[:, 0].tolist() == [2.5, 0.0] * 3 and (arrays.dense[:, 1:] == 0).all()
     assert arrays.labels.tolist() == [0, 1, 1, 0, 1, 0]
 
 
@@ -122,7 +122,9 @@ def test_bad_parquet_inputs_are_refused_naming_the_file_column_and_row_group(tmp
 
 
 def test_a_schema_of_another_shape_or_repeating_a_column_is_refused():
-    with pytest.raises(ValueError, match="data.schema.dense has 2 columns; the model takes 13"):
-        ParquetSchema(dense=[DenseColumn("a"), DenseColumn("b")])
+    with pytest.raises(ValueError, match="data.schema.dense has 14 columns; the model takes at most 13"):
+        ParquetSchema(dense=[DenseColumn(f"d{i}") for i in range(14)])
+    with pytest.raises(ValueError, match="data.schema.categorical has 0 columns; the model takes 1 to 26"):
+        ParquetSchema(categorical=[])
     with pytest.raises(ValueError, match="names column 'I1' more than once"):
         ParquetSchema(label="I1")

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from app.criteo import NUM_DENSE, NUM_SPARSE
 from app.data.parquet.schema import CategoricalColumn, DenseColumn, ParquetSchema
 from app.data.tsv import CriteoArrays
 
@@ -80,10 +81,10 @@ def iter_parquet_chunks(path: Path, schema: ParquetSchema, block_bytes: int) -> 
 
 
 def _arrays(batch: pa.RecordBatch, schema: ParquetSchema, labelled: bool, where: str) -> CriteoArrays:
-    dense = np.empty((batch.num_rows, len(schema.dense)), dtype=np.float32)
+    dense = np.zeros((batch.num_rows, NUM_DENSE), dtype=np.float32)  # inputs no column fills hold 0
     for j, column in enumerate(schema.dense):
         dense[:, j] = dense_values(batch.column(column.name), column, where)
-    sparse = np.empty((batch.num_rows, len(schema.categorical)), dtype=np.uint32)
+    sparse = np.zeros((batch.num_rows, NUM_SPARSE), dtype=np.uint32)
     for j, column in enumerate(schema.categorical):
         sparse[:, j] = raw_ids(batch.column(column.name), column, where)
     labels = label_values(batch.column(schema.label), schema.label, where) if labelled else np.full(batch.num_rows, -1, np.float32)

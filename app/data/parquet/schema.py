@@ -2,8 +2,10 @@
 features and the categorical features, and how each becomes a model input.
 
 The model has Criteo's shape (13 dense features, 26 embedding tables, ``app/criteo.py``), so a schema
-names 13 dense and 26 categorical columns, in the order of the model's inputs. Without a schema the
-columns are Criteo's own names, as ``python -m app.data.to_parquet`` writes them.
+names up to 13 dense and up to 26 categorical columns, in the order of the model's inputs; the inputs
+no column fills hold a constant (dense 0, id 0), which says nothing and costs one table row each with
+``num_embeddings_per_feature: auto``. Without a schema the columns are Criteo's own names, as
+``python -m app.data.to_parquet`` writes them.
 """
 
 from __future__ import annotations
@@ -65,9 +67,11 @@ class ParquetSchema:
     Args:
         label: the label column: 0/1 (integer, boolean or floating point); nulls and other values stop
             the conversion. A file without it is unlabelled (only ``predict`` reads those).
-        dense: 13 numeric columns, the model's dense inputs in order. Default: I1..I13, log1p, nulls 0.
-        categorical: 26 id columns, one embedding table each, in order (table sizes, the frequency
-            threshold and the vocabulary apply to them as to Criteo's C1..C26). Default: C1..C26 as hex.
+        dense: up to 13 numeric columns, the model's dense inputs I1.. in order (the rest hold 0).
+            Default: I1..I13, log1p, nulls 0.
+        categorical: 1 to 26 id columns, the model's tables C1.. in order, one each (the rest hold id 0);
+            table sizes, the frequency threshold and the vocabulary apply to them as to Criteo's C1..C26.
+            Default: C1..C26 as hex.
     """
 
     label: str = "label"
@@ -75,11 +79,11 @@ class ParquetSchema:
     categorical: list[CategoricalColumn] = field(default_factory=_criteo_categorical)
 
     def __post_init__(self) -> None:
-        if len(self.dense) != NUM_DENSE:
-            raise ValueError(f"data.schema.dense has {len(self.dense)} columns; the model takes {NUM_DENSE} dense features")
-        if len(self.categorical) != NUM_SPARSE:
+        if len(self.dense) > NUM_DENSE:
+            raise ValueError(f"data.schema.dense has {len(self.dense)} columns; the model takes at most {NUM_DENSE}")
+        if not 1 <= len(self.categorical) <= NUM_SPARSE:
             raise ValueError(
-                f"data.schema.categorical has {len(self.categorical)} columns; the model has {NUM_SPARSE} embedding tables"
+                f"data.schema.categorical has {len(self.categorical)} columns; the model takes 1 to {NUM_SPARSE}"
             )
         names = [self.label] + [c.name for c in self.dense] + [c.name for c in self.categorical]
         repeated = sorted({name for name in names if names.count(name) > 1})
