@@ -304,7 +304,7 @@ class CriteoDataModule(LightningDataModule):
             if name == "train":
                 self.num_bad_rows_skipped = skipped
             start, stop = part_rows(files.part, len(source))
-            if name == "predict" and self.frequency_threshold:
+            if name == "predict" and self.frequency_threshold and files.format == "tsv":  # Parquet's is cached mapped
                 # Raw ids until the vocabulary is known: a checkpoint's may arrive after setup (load_state_dict).
                 self._unmapped_predict, self._predict_place = source, (rank, world_size)  # type: ignore[assignment]
                 continue
