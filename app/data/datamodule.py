@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -31,6 +32,7 @@ from app.data.formats import DataFormat, ReadOptions, open_days, read_tsv_split,
 from app.data.frequency_threshold import mapped_days, training_vocabulary
 from app.data.loader import ResumableBatchLoader, ignore_preemption_signals
 from app.data.numpy_days import NumpyDaysSource
+from app.data.parquet.groups import split_groups
 from app.data.parquet.schema import ParquetSchema
 from app.data.preprocess import RAW_IDS, Vocabulary
 from app.data.source import RowSource
@@ -164,6 +166,8 @@ class CriteoDataModule(LightningDataModule):
         self.shuffle = shuffle
         self.seed = seed
         self.datasets: dict[str, CriteoBatches] = {}
+        # Each evaluation split's group id per row (by row id), with data.schema.group: for GAUC.
+        self.eval_groups: dict[str, np.ndarray] = {}
         self.num_bad_rows_skipped = 0
         # The model's tables take these sizes (app.cli links them once this module exists); None with
         # `auto` until setup has read the training data (the model then builds its tables in its setup).
@@ -309,6 +313,9 @@ class CriteoDataModule(LightningDataModule):
                 self._unmapped_predict, self._predict_place = source, (rank, world_size)  # type: ignore[assignment]
                 continue
             self.datasets[name] = self._rank_batches(name, rows_view(source, start, stop), rank, world_size)
+            if name in ("val", "test") and files.format == "parquet" and self.schema.group is not None:
+                raw_days = self._cache_request(files).folder  # the groups are not mapped: beside the raw ids
+                self.eval_groups[name] = split_groups(raw_days, len(files.files), start, stop)
         if self.frequency_threshold and self.vocabulary_state.vocabulary is not None:
             warn_about_small_tables(self.vocabulary_state.vocabulary, self.table_sizes)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -29,6 +30,7 @@ from app.train.lr_schedule import LRSchedule, lr_scheduler_config, restore_sched
 from app.train.host_group import host_process_group
 from app.train.metrics import (
     EvalMetrics,
+    GroupAUC,
     available_host_bytes,
     build_eval_metrics,
     check_exact_auc_memory,
@@ -213,6 +215,8 @@ class DLRMModule(LightningModule):
                 self._build_model(1)
         self.val_metrics = build_eval_metrics("val/", eval_metrics, auc_num_thresholds)
         self.test_metrics = build_eval_metrics("test/", eval_metrics, auc_num_thresholds)
+        # GAUC, where the data has a group column (data.schema.group): exact, every row gathered.
+        self.val_gauc, self.test_gauc = GroupAUC(), GroupAUC()  # attributes: Lightning logs metrics it can name
 
     def _build_model(self, num_embeddings_per_feature: int | list[int]) -> None:
         """The DLRM with its tables on the meta device and the sparse optimizer fused into them."""
@@ -285,6 +289,9 @@ class DLRMModule(LightningModule):
             self._pipelined_step = True
         if self.hparams.eval_metrics == "exact" and stage in ("fit", "validate", "test"):
             self._set_up_exact_auc("test" if stage == "test" else "val")
+        if _eval_groups(self.trainer.datamodule, "test" if stage == "test" else "val") is not None:
+            group = host_process_group()  # a collective: every rank has the same schema, so all call it
+            self.val_gauc.process_group = self.test_gauc.process_group = group
 
     def _set_up_exact_auc(self, split: str) -> None:
         """Refuses (or warns about) an eval set too large for exact AUC in host memory, then gives
@@ -412,12 +419,12 @@ class DLRMModule(LightningModule):
             self.log("data/bad_rows_skipped", float(skipped), rank_zero_only=True, batch_size=1)
 
     def validation_step(self, batch: CriteoBatch, batch_idx: int) -> None:
-        self._evaluate(batch, self.val_metrics)
+        self._evaluate(batch, self.val_metrics, "val")
 
     def test_step(self, batch: CriteoBatch, batch_idx: int) -> None:
-        self._evaluate(batch, self.test_metrics)
+        self._evaluate(batch, self.test_metrics, "test")
 
-    def _evaluate(self, batch: CriteoBatch, metrics: MetricCollection) -> None:
+    def _evaluate(self, batch: CriteoBatch, metrics: MetricCollection, split: str) -> None:
         valid = batch.valid_rows  # a slice: no host sync
         probabilities = torch.sigmoid(self(batch).float())[valid]  # every rank runs the sharded forward
         # A batch of padding only (a rank's share of the last eval step, app/data/partition.py) has no
@@ -426,6 +433,13 @@ class DLRMModule(LightningModule):
             metrics.update(probabilities, batch.labels[valid].long())
         # Logged as metric objects: Lightning computes them once per epoch, synced across ranks.
         self.log_dict(metrics, on_step=False, on_epoch=True, prog_bar=True, batch_size=batch.labels.numel())
+        groups = _eval_groups(self.trainer.datamodule, split)
+        if groups is not None:
+            group_auc = self.val_gauc if split == "val" else self.test_gauc
+            if batch.num_real_rows != 0:  # the rows' groups, looked up by their ids in the split (on the host)
+                rows = batch.row_ids[valid].cpu().numpy()
+                group_auc.update(probabilities, batch.labels[valid].long(), torch.from_numpy(groups[rows]))
+            self.log(f"{split}/gauc", group_auc, on_step=False, on_epoch=True, prog_bar=True, batch_size=batch.labels.numel())
 
     def predict_step(self, batch: CriteoBatch, batch_idx: int) -> dict[str, torch.Tensor]:
         valid = batch.valid_rows
@@ -460,6 +474,11 @@ class DLRMModule(LightningModule):
         if self.lr_schedule.is_constant:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": lr_scheduler_config(optimizer, self.lr_schedule)}
+
+
+def _eval_groups(datamodule: Any, split: str) -> np.ndarray | None:
+    """The group id of each row of the split, by row id, where the data has a group column."""
+    return datamodule.eval_groups.get(split) if isinstance(datamodule, CriteoDataModule) else None
 
 
 def _eval_rows(datamodule: Any, split: str) -> int | None:

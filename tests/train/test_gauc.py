@@ -8,6 +8,8 @@ import pickle
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed as dist
@@ -102,3 +104,52 @@ def test_gauc_and_pr_auc_are_exact_across_ranks_that_split_groups(world_size, tm
     for result in results:  # every rank computes the value of all rows
         assert result["gauc"] == pytest.approx(direct_gauc(p, y, g), abs=1e-6)
         assert result["pr_auc"] == pytest.approx(direct_average_precision(p, y), abs=1e-6)
+
+
+def _gauc_inputs(cli) -> dict:
+    """The validation rows this rank evaluated (ids, probabilities, labels) and the logged metrics."""
+    from app.data.batches import PADDING_ROW_ID
+
+    module, datamodule = cli.trainer.lightning_module, cli.datamodule
+    module.eval()
+    mine, padding = [], 0
+    with torch.no_grad():
+        for batch in datamodule.val_dataloader():
+            valid = batch.valid_rows
+            mine.append((batch.row_ids[valid].numpy(), torch.sigmoid(module(batch))[valid].numpy(), batch.labels[valid].numpy()))
+            padding += int((batch.row_ids == PADDING_ROW_ID).sum())
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (mine, padding))
+    row_ids, p, y = (np.concatenate([part[i] for rank, _ in gathered for part in rank]) for i in range(3))
+    return {"logged": {k: float(v) for k, v in cli.trainer.callback_metrics.items()}, "row_ids": row_ids, "p": p, "y": y,
+            "groups": datamodule.eval_groups["val"], "padding": [count for _, count in gathered]}  # fmt: skip
+
+
+USERS = np.arange(257) * 7_919 % 23 + 1_000  # 23 users, each with rows on both ranks
+
+
+def test_validation_logs_the_gauc_of_the_parquet_group_column_over_2_ranks(tmp_path):
+    from app.data.synthetic import write_synthetic_criteo
+    from app.data.to_parquet import to_parquet
+    from tests.multiprocess import DEMO_BEFORE_QUALITY_SETTINGS, run_on_ranks
+
+    write_synthetic_criteo(tmp_path / "val.tsv", num_rows=257, seed=12)  # 2 ranks x 64: the last step pads rank 1
+    to_parquet(str(tmp_path / "val.tsv"), str(tmp_path / "pq"), row_group_rows=100)
+    table = pq.read_table(tmp_path / "pq" / "val.parquet")  # with a user column: groups spread over both ranks
+    pq.write_table(table.append_column("user", pa.array(USERS)), tmp_path / "pq" / "val.parquet", row_group_size=100)
+    args = [
+        "validate", "--config", "configs/demo.yaml", *DEMO_BEFORE_QUALITY_SETTINGS, "--data.train", "null",
+        "--data.val", str(tmp_path / "pq" / "val.parquet"), "--data.format", "parquet", "--data.schema.group", "user",
+        "--data.test", "null", "--data.predict", "null", "--data.batch_size", "64", "--data.cache_dir", str(tmp_path / "cache"),
+        "--data.num_embeddings_per_feature", "500", "--model.embedding_dim", "8",
+        "--model.dense_arch_layer_sizes", "[16, 8]", "--model.over_arch_layer_sizes", "[16, 1]",
+        "--trainer.logger", "false", "--trainer.callbacks", "[]", "--trainer.enable_progress_bar", "false",
+        "--trainer.default_root_dir", str(tmp_path),
+    ]  # fmt: skip
+    result = run_on_ranks(2, args, tmp_path, _gauc_inputs)[0]
+    assert result["padding"] == [0, 1]
+    order = np.argsort(result["row_ids"])
+    assert result["row_ids"][order].tolist() == list(range(257))  # every real row once
+    assert np.array_equal(result["groups"], USERS)
+    expected = direct_gauc(result["p"][order].astype(np.float64), result["y"][order], USERS)
+    assert result["logged"]["val/gauc"] == pytest.approx(expected, abs=1e-6)

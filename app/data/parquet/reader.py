@@ -10,6 +10,7 @@ the row group.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,14 @@ from app.criteo import NUM_DENSE, NUM_SPARSE
 from app.data.parquet.schema import CategoricalColumn, DenseColumn, ParquetSchema
 from app.data.tsv import CriteoArrays
 
+@dataclass
+class GroupedArrays(CriteoArrays):
+    """Rows with each row's group id (int64), for GAUC: the schema's group column."""
+
+    groups: np.ndarray | None = None
+
+
+GROUPS_FILE = "groups.npy"  # day_N_groups.npy beside a day's files, with the schema's group column
 BYTES_PER_ROW_ESTIMATE = 256  # chunk rows = the preprocessor's block bytes / this
 _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 _FNV_PRIME = np.uint64(0x100000001B3)
@@ -51,6 +60,8 @@ def check_columns(path: Path, file: pq.ParquetFile, schema: ParquetSchema) -> bo
         wanted = "integers" if column.ids == "integer" else "strings"
         is_usable = pa.types.is_integer if column.ids == "integer" else _is_string
         _check_type(path, column.name, types, wanted, is_usable)
+    if schema.group is not None:
+        _check_type(path, schema.group, types, "group ids (integers or strings)", lambda t: pa.types.is_integer(t) or _is_string(t))
     if schema.label not in types:
         return False
     _check_type(path, schema.label, types, "0/1 labels", lambda t: pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t))
@@ -73,6 +84,7 @@ def iter_parquet_chunks(path: Path, schema: ParquetSchema, block_bytes: int) -> 
     file = open_parquet(path)
     labelled = check_columns(path, file, schema)
     columns = [c.name for c in schema.dense] + [c.name for c in schema.categorical] + ([schema.label] if labelled else [])
+    columns += [] if schema.group is None else [schema.group]
     chunk_rows = max(1, block_bytes // BYTES_PER_ROW_ESTIMATE)
     for group in range(file.metadata.num_row_groups):
         for batch in file.iter_batches(batch_size=chunk_rows, row_groups=[group], columns=columns):
@@ -88,7 +100,19 @@ def _arrays(batch: pa.RecordBatch, schema: ParquetSchema, labelled: bool, where:
     for j, column in enumerate(schema.categorical):
         sparse[:, j] = raw_ids(batch.column(column.name), column, where)
     labels = label_values(batch.column(schema.label), schema.label, where) if labelled else np.full(batch.num_rows, -1, np.float32)
-    return CriteoArrays(dense, sparse.astype(np.int64), labels)
+    if schema.group is None:
+        return CriteoArrays(dense, sparse.astype(np.int64), labels)
+    return GroupedArrays(dense, sparse.astype(np.int64), labels, groups=group_ids(batch.column(schema.group), schema.group, where))
+
+
+def group_ids(values: pa.Array, name: str, where: str) -> np.ndarray:
+    """Group ids as int64: integers as they are, strings by their 64-bit FNV-1a; nulls refused."""
+    if values.null_count:
+        raise ValueError(f"{where}: group column {name!r} has {values.null_count} null values")
+    if pa.types.is_integer(values.type):
+        return values.to_numpy(zero_copy_only=False).astype(np.int64)
+    encoded = pc.dictionary_encode(values.cast(pa.large_string()))
+    return fnv1a_64(encoded.dictionary).view(np.int64)[encoded.indices.to_numpy(zero_copy_only=False)]
 
 
 def label_values(values: pa.Array, name: str, where: str) -> np.ndarray:
@@ -150,7 +174,13 @@ def _bytes_and_offsets(words: pa.Array) -> tuple[np.ndarray, np.ndarray]:
 
 
 def string_hashes(words: pa.Array) -> np.ndarray:
-    """64-bit FNV-1a of each string's UTF-8 bytes, folded to 32 bits; vectorised over the strings."""
+    """64-bit FNV-1a of each string's UTF-8 bytes, folded to 32 bits."""
+    hashes = fnv1a_64(words)
+    return ((hashes ^ (hashes >> np.uint64(32))) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+
+
+def fnv1a_64(words: pa.Array) -> np.ndarray:
+    """64-bit FNV-1a of each string's UTF-8 bytes (uint64), vectorised over the strings."""
     characters, offsets = _bytes_and_offsets(words)
     starts, lengths = offsets[:-1], np.diff(offsets)
     hashes = np.full(len(words), _FNV_OFFSET, dtype=np.uint64)
@@ -158,7 +188,7 @@ def string_hashes(words: pa.Array) -> np.ndarray:
         live = lengths > position
         byte = characters[starts[live] + position].astype(np.uint64)
         hashes[live] = (hashes[live] ^ byte) * _FNV_PRIME
-    return ((hashes ^ (hashes >> np.uint64(32))) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    return hashes
 
 
 def hex_ids(words: pa.Array, name: str, where: str) -> np.ndarray:

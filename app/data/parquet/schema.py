@@ -72,11 +72,15 @@ class ParquetSchema:
         categorical: 1 to 26 id columns, the model's tables C1.. in order, one each (the rest hold id 0);
             table sizes, the frequency threshold and the vocabulary apply to them as to Criteo's C1..C26.
             Default: C1..C26 as hex.
+        group: a column of group ids (e.g. the user id; integers, or strings hashed to 64 bits) for GAUC,
+            the per-group AUC logged beside the AUC for validation and test (``val/gauc``); it may also be
+            a categorical feature. Unset: no GAUC.
     """
 
     label: str = "label"
     dense: list[DenseColumn] = field(default_factory=_criteo_dense)
     categorical: list[CategoricalColumn] = field(default_factory=_criteo_categorical)
+    group: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.dense) > NUM_DENSE:
@@ -101,4 +105,5 @@ class ParquetSchema:
             values["label"],
             [DenseColumn(**column) for column in values["dense"]],
             [CategoricalColumn(**column) for column in values["categorical"]],
+            values.get("group"),
         )

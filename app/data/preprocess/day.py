@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from app.criteo import NUM_DENSE, NUM_SPARSE
-from app.data.parquet.reader import iter_parquet_chunks
+from app.data.parquet.reader import GROUPS_FILE, iter_parquet_chunks
 from app.data.parquet.schema import ParquetSchema
 from app.data.preprocess.chunks import iter_chunks
 from app.data.preprocess.config import DayResult, DayTask
@@ -33,6 +33,9 @@ def convert_day(task: DayTask) -> DayResult:
         NpyStreamWriter(task.path("sparse.npy"), np.int32, (NUM_SPARSE,)),
         NpyStreamWriter(task.path("labels.npy"), np.int32, (1,)),
     ]
+    # Parquet with a group column: each row's group id, for GAUC (read beside the days, not by the model).
+    group_writer = NpyStreamWriter(task.path(GROUPS_FILE), np.int64, ()) if _has_groups(task) else None
+    writers += [group_writer] if group_writer else []
     counter, positives, skipped, labelled, first_bad_row = DistinctIds(), 0, 0, True, None
     try:
         for arrays, skipped_here in _chunks(task):
@@ -40,6 +43,8 @@ def convert_day(task: DayTask) -> DayResult:
             sparse = arrays.sparse if vocabularies is None else map_to_contiguous(arrays.sparse, vocabularies)
             for writer, part in zip(writers, (arrays.dense, sparse, arrays.labels)):
                 writer.write(part)
+            if group_writer is not None:
+                group_writer.write(arrays.groups)
             positives += int(np.count_nonzero(arrays.labels == 1))
             labelled = labelled and not (len(arrays) and arrays.labels[0] == -1)
             skipped += int(skipped_here)
@@ -57,6 +62,10 @@ def convert_day(task: DayTask) -> DayResult:
             writer.abort()
         raise
     return DayResult(task.day, writers[0].rows, time.perf_counter() - started)
+
+
+def _has_groups(task: DayTask) -> bool:
+    return task.parquet_schema is not None and task.parquet_schema.get("group") is not None
 
 
 def _chunks(task: DayTask) -> Iterator[tuple[CriteoArrays, int]]:
