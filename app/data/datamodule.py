@@ -33,6 +33,7 @@ from app.data.frequency_threshold import mapped_days, training_vocabulary
 from app.data.loader import ResumableBatchLoader, ignore_preemption_signals
 from app.data.numpy_days import NumpyDaysSource
 from app.data.parquet.groups import split_groups
+from app.data.parquet.keys import check_key_columns, read_key_columns
 from app.data.parquet.schema import ParquetSchema
 from app.data.preprocess import RAW_IDS, Vocabulary
 from app.data.source import RowSource
@@ -313,11 +314,21 @@ class CriteoDataModule(LightningDataModule):
                 self._unmapped_predict, self._predict_place = source, (rank, world_size)  # type: ignore[assignment]
                 continue
             self.datasets[name] = self._rank_batches(name, rows_view(source, start, stop), rank, world_size)
+            if name == "predict" and files.format == "parquet" and self.schema.key_columns:
+                check_key_columns(files.files, self.schema.key_columns)  # before predicting, not after
             if name in ("val", "test") and files.format == "parquet" and self.schema.group is not None:
                 raw_days = self._cache_request(files).folder  # the groups are not mapped: beside the raw ids
                 self.eval_groups[name] = split_groups(raw_days, len(files.files), start, stop)
         if self.frequency_threshold and self.vocabulary_state.vocabulary is not None:
             warn_about_small_tables(self.vocabulary_state.vocabulary, self.table_sizes)
+
+    def predict_keys(self) -> dict[str, list[str]] | None:
+        """The predict rows' ``data.schema.key_columns`` as text, in row order (None: none set), for
+        predictions.tsv; read from the Parquet files when the predictions are written (on rank 0)."""
+        files = split_files(self.specs, None, None, self.format, ["predict"])["predict"]
+        if files.format != "parquet" or not self.schema.key_columns:
+            return None
+        return read_key_columns(files.files, self.schema.key_columns)
 
     def _rank_and_world_size(self) -> tuple[int, int]:
         """This process's place: the Trainer's; outside one, the process group's (a plain training

@@ -104,7 +104,8 @@ class PredictionWriter(BasePredictionWriter):
             inputs=[] if inputs is None else [str(p) for p in ([inputs] if isinstance(inputs, str) else inputs)],
             rows=len(row_ids),
         )
-        print(write_predictions(Path(self.output_dir or trainer.default_root_dir), row_ids, probabilities, record))
+        keys = trainer.datamodule.predict_keys() if isinstance(trainer.datamodule, CriteoDataModule) else None
+        print(write_predictions(Path(self.output_dir or trainer.default_root_dir), row_ids, probabilities, record, keys))
 
 
 def gather_predictions_to_rank_zero(

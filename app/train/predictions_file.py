@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,14 +35,25 @@ class PredictionsRecord:
         return f"{self.rows} predictions of {model}{step} on {', '.join(self.inputs) or 'no recorded input'}"
 
 
-def write_predictions(folder: Path, row_ids: torch.Tensor, probabilities: torch.Tensor, record: PredictionsRecord) -> str:
-    """Writes ``folder/predictions.tsv`` (a header, then ``row_id<TAB>probability`` in row order) and its
-    record; returns the line for the log, which says what an existing file held."""
+def write_predictions(
+    folder: Path,
+    row_ids: torch.Tensor,
+    probabilities: torch.Tensor,
+    record: PredictionsRecord,
+    keys: dict[str, Sequence[str]] | None = None,
+) -> str:
+    """Writes ``folder/predictions.tsv`` (a header, then ``row_id<TAB>probability`` in row order, then each
+    of ``keys``' columns, looked up by row id) and its record; returns the line for the log, which says
+    what an existing file held."""
     path = folder / PREDICTIONS_FILE
     replaced = _replaced(folder) if path.exists() else None
     folder.mkdir(parents=True, exist_ok=True)
-    rows = "".join(f"{r}\t{p:.6f}\n" for r, p in zip(row_ids.tolist(), probabilities.tolist()))
-    _replace(path, "row_id\tprobability\n" + rows)
+    keys = keys or {}
+    rows = "".join(
+        f"{r}\t{p:.6f}" + "".join(f"\t{column[r]}" for column in keys.values()) + "\n"
+        for r, p in zip(row_ids.tolist(), probabilities.tolist())
+    )
+    _replace(path, "\t".join(["row_id", "probability", *keys]) + "\n" + rows)
     _replace(folder / RECORD_FILE, json.dumps(asdict(record), indent=1) + "\n")
     line = f"wrote {record.describe()} to {path}"
     return line if replaced is None else f"{line}, replacing {replaced}"

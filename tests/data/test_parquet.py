@@ -128,3 +128,18 @@ def test_a_schema_of_another_shape_or_repeating_a_column_is_refused():
         ParquetSchema(categorical=[])
     with pytest.raises(ValueError, match="names column 'I1' more than once"):
         ParquetSchema(label="I1")
+
+
+def test_key_columns_are_checked_in_the_predict_files_and_read_as_text(tmp_path):
+    from app.data.parquet.keys import check_key_columns, read_key_columns
+
+    path = tmp_path / "predict.parquet"
+    pq.write_table(pa.table({"request": ["r1", None, "r3"], "item": [10, 11, 12], "tags": [["a"], [], ["b"]]}), path)
+    assert read_key_columns([path, path], ["request", "item"]) == {"request": ["r1", "", "r3"] * 2, "item": ["10", "11", "12"] * 2}
+    with pytest.raises(ValueError, match=r"predict.parquet: key column 'user' of data.schema.key_columns is missing"):
+        check_key_columns([path], ["request", "user"])
+    with pytest.raises(ValueError, match=r"key column 'tags' holds list<element: string>; key columns hold one value a row"):
+        check_key_columns([path], ["tags"])
+    pq.write_table(pa.table({"request": ["a\tb"]}), path)
+    with pytest.raises(ValueError, match=r"key column 'request' holds 'a\\tb': a tab or line break"):
+        read_key_columns([path], ["request"])

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import yaml
 
 from tests.multiprocess import run_on_ranks
@@ -48,6 +49,10 @@ def test_the_worked_example_runs_as_written_on_fewer_rows(tmp_path):
     assert 0 < logged["val/auc"] < 1 and 0 < logged["val/gauc"] < 1
     run_on_ranks(2, predict[3:] + here, tmp_path)
     lines = (tmp_path / "runs" / "predictions.tsv").read_text().splitlines()
-    assert lines[0] == "row_id\tprobability" and len(lines) == 1 + 300  # predict.parquet: a tenth of the rows
-    probabilities = np.array([float(line.split("\t")[1]) for line in lines[1:]])
+    assert lines[0] == "row_id\tprobability\tuser_id\titem_id" and len(lines) == 1 + 300  # a tenth of the rows
+    fields = [line.split("\t") for line in lines[1:]]
+    assert [int(f[0]) for f in fields] == list(range(300))
+    probabilities = np.array([float(f[1]) for f in fields])
     assert ((probabilities > 0) & (probabilities < 1)).all()
+    keys = pq.read_table(files / "predict.parquet", columns=["user_id", "item_id"]).to_pydict()
+    assert [f[2] for f in fields] == keys["user_id"] and [f[3] for f in fields] == [str(i) for i in keys["item_id"]]

@@ -75,12 +75,15 @@ class ParquetSchema:
         group: a column of group ids (e.g. the user id; integers, or strings hashed to 64 bits) for GAUC,
             the per-group AUC logged beside the AUC for validation and test (``val/gauc``); it may also be
             a categorical feature. Unset: no GAUC.
+        key_columns: columns that ``predict`` writes beside each row's probability in predictions.tsv
+            (e.g. a request and an item id), read from the predict files as text.
     """
 
     label: str = "label"
     dense: list[DenseColumn] = field(default_factory=_criteo_dense)
     categorical: list[CategoricalColumn] = field(default_factory=_criteo_categorical)
     group: str | None = None
+    key_columns: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if len(self.dense) > NUM_DENSE:
@@ -106,4 +109,5 @@ class ParquetSchema:
             [DenseColumn(**column) for column in values["dense"]],
             [CategoricalColumn(**column) for column in values["categorical"]],
             values.get("group"),
+            list(values.get("key_columns", [])),
         )
