@@ -73,8 +73,15 @@ def plain_hyper_parameters(hyper_parameters: dict[str, Any], source: Path) -> di
         raise ValueError(f"{source}: hyper-parameters that are not plain data: {error}") from None
 
 
-def export_checkpoint(ckpt_path: str, output: str = "model.pt", checkpoint_dir: str | None = None) -> Path:
-    """Writes one unsharded model file (plain tensors plus the model's hyper-parameters).
+def export_checkpoint(
+    ckpt_path: str,
+    output: str = "model.pt",
+    checkpoint_dir: str | None = None,
+    format: str = "torch",
+    quantize: str = "none",
+) -> Path:
+    """Writes one unsharded model file (plain tensors plus the model's hyper-parameters), or with
+    ``--format pt2`` an AOTInductor package a server loads with torch alone (docs/serving.md).
 
     Args:
         ckpt_path: a sharded checkpoint folder written by ``python -m app fit`` (e.g.
@@ -82,7 +89,15 @@ def export_checkpoint(ckpt_path: str, output: str = "model.pt", checkpoint_dir: 
             the run ranked best by its checkpoint group's monitor (app/checkpoint/best.py).
         output: the file to write; replaced atomically if it exists.
         checkpoint_dir: the run's checkpoint folder, for ``--ckpt_path best`` (e.g. ``runs/demo/checkpoints``).
+        format: ``torch`` (a ``torch.save`` file that ``predict`` takes) or ``pt2`` (an AOTInductor package
+            with the id mapping inside, and its serving contract ``<name>.contract.json`` beside it; ``ckpt_path``
+            may then also be a file from ``--format torch``).
+        quantize: ``none``, or ``int8`` (``--format pt2`` only): row-wise INT8 tables dequantised in the graph.
     """
+    if format not in ("torch", "pt2"):
+        raise ValueError(f"format = {format!r} is not one of torch, pt2")
+    if quantize != "none" and format != "pt2":
+        raise ValueError(f"quantize = {quantize!r} needs format = pt2 (format = {format!r} keeps the trained tables)")
     if ckpt_path == BEST:
         if checkpoint_dir is None:
             raise ValueError("export --ckpt_path best: name the run's checkpoint folder with --checkpoint_dir")
@@ -90,6 +105,10 @@ def export_checkpoint(ckpt_path: str, output: str = "model.pt", checkpoint_dir: 
         print(best.describe())
         ckpt_path = str(best.path)
     source = Path(ckpt_path).expanduser()
+    if format == "pt2":
+        from app.checkpoint.export_pt2 import export_pt2  # it reads checkpoints through this module
+
+        return export_pt2(source, Path(output).expanduser(), quantize)
     info = read_checkpoint(source)  # complete, readable, plain-data metadata; a ValueError naming the path if not
     hyper_parameters = info.meta.get("hyper_parameters") or {}
     state_dict = read_model_tensors(info.path)
