@@ -143,3 +143,34 @@ def test_key_columns_are_checked_in_the_predict_files_and_read_as_text(tmp_path)
     pq.write_table(pa.table({"request": ["a\tb"]}), path)
     with pytest.raises(ValueError, match=r"key column 'request' holds 'a\\tb': a tab or line break"):
         read_key_columns([path], ["request"])
+
+
+def test_a_failed_conversion_leaves_no_valid_cache_and_a_missing_group_column_is_named(tmp_path):
+    import json
+
+    path = tmp_path / "train.parquet"
+    pq.write_table(pa.table(criteo_columns(6) | {"label": [0, 1, 0, 1, 7, 0]}), path, row_group_size=2)
+    data = CriteoDataModule(train=str(path), cache_dir=str(tmp_path / "cache"), cache_workers=1, batch_size=2)
+    with pytest.raises(ValueError, match=r"train.parquet: row group 2: label column 'label' holds 1 values other than 0 and 1"):
+        data.setup("fit")
+    (folder,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    state = json.loads((folder / "cache.json").read_text())
+    assert state["complete"] is False and "row group 2" in state["error"]
+    assert not list(folder.glob("day_0_*.npy"))  # the day's files stay under their partial names, removed
+    grouped = CriteoDataModule(train=str(path), cache_dir=str(tmp_path / "cache"), cache_workers=1, batch_size=2,
+                               schema=replace(ParquetSchema(), group="user"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"train.parquet: column 'user' of data.schema is missing"):
+        grouped.setup("fit")
+
+
+def test_the_schema_and_its_fields_are_documented_in_the_command_line_help(capsys):
+    from app.cli import cli_main
+
+    try:
+        cli_main(["fit", "--data.schema.help", "ParquetSchema"])
+    except SystemExit as exit_info:  # jsonargparse's help exits (with 0)
+        assert not exit_info.code
+    shown = " ".join(capsys.readouterr().out.split())
+    for text in ("--data.schema.label", "the label column: 0/1", "--data.schema.group", "GAUC", "--data.schema.key_columns",
+                 "up to 13 numeric columns", "1 to 26 id columns"):  # fmt: skip
+        assert text in shown, text
