@@ -3,7 +3,8 @@
 1. Raw TSV -> NumPy day files (the cache conversion ``fit`` does, ``app.data.preprocess`` on every core)
    against the approach of the ROCm DLRM blog, ``pandas.read_csv`` plus per-column label encoding
    (``pandas.factorize``, the vectorised equivalent of scikit-learn's LabelEncoder), on the same
-   file. Goal: >= 10x.
+   file. Goal: >= 10x. Beside it, the same rows as Parquet with string ids (``python -m app.data.to_parquet``)
+   -> NumPy day files, the cache conversion of ``data.format: parquet``. Goal: at least the TSV's rate.
 2. Cached NumPy days -> batches (memory-mapped) against the rate at which one training process of
    the demo model consumes batches. Goal: >= 10x.
 3. ``python -m app fit --config configs/kaggle_dlrm.yaml --data.split kaggle --data.root train.txt``
@@ -48,6 +49,16 @@ def ours_tsv_to_days(path: Path, out: Path) -> None:
 
     shutil.rmtree(out, ignore_errors=True)
     assert preprocess(["--input", str(path), "--output", str(out), "--progress", "false"]) == 0
+
+
+def ours_parquet_to_days(path: Path, out: Path) -> None:
+    """The cache conversion of data.format: parquet (the default schema: Criteo's columns, hex string ids)."""
+    from app.data.parquet.schema import ParquetSchema
+    from app.data.preprocess.config import Config
+    from app.data.preprocess.runner import run
+
+    shutil.rmtree(out, ignore_errors=True)
+    run(Config(inputs=[str(path)], output=out, workers=cores(), progress=False, parquet_schema=ParquetSchema().as_dict()))
 
 
 def pandas_tsv_to_arrays(path: Path, table_sizes: list[int]) -> int:
@@ -196,7 +207,13 @@ def main() -> None:
         print("1. raw TSV -> NumPy day files")
         print(f"   this project (app.data.preprocess, {cores()} cores)   {args.rows / ours_s:>12,.0f} rows/s")
         print(f"   pandas.read_csv + label encoding       {args.rows / pandas_s:>12,.0f} rows/s")
-        print(f"   ratio                                  {pandas_s / ours_s:>12.1f}x   (goal >= 10x)\n")
+        print(f"   ratio                                  {pandas_s / ours_s:>12.1f}x   (goal >= 10x)")
+        from app.data.to_parquet import to_parquet
+
+        to_parquet(str(tsv), str(tmp / "parquet"))
+        parquet_s = best_of(2, lambda: ours_parquet_to_days(tmp / "parquet" / "train.parquet", tmp / "npy_parquet"))
+        print(f"   the same rows as Parquet, string ids   {args.rows / parquet_s:>12,.0f} rows/s")
+        print(f"   Parquet over TSV                       {ours_s / parquet_s:>12.2f}x   (goal >= 1)\n")
 
         assembly = numpy_batches_per_second(tmp / "npy", args.batch_size, table_sizes)
         training = training_batches_per_second(args.batch_size, table_sizes)
