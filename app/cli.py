@@ -134,7 +134,7 @@ class DLRMCLI(LightningCLI):
         if isinstance(self.trainer.strategy, TorchRecStrategy):
             self.trainer.strategy.check_before_launch(self.trainer, self.model)
         if isinstance(self.model, DLRMModule):
-            self.model.check_before_launch(self.trainer.strategy.root_device.type)
+            self.model.check_before_launch(self.trainer.strategy.root_device.type, self.subcommand)
         if self.subcommand and self.trainer.global_rank == 0 and isinstance(self.datamodule, CriteoDataModule):
             self.datamodule.check_inputs(self.subcommand)
         # Pre-emption signals are recorded from here on, in every process (each rank runs this CLI), before

@@ -16,7 +16,7 @@ from app.model.compile import DEFAULT_MODE, check_compile_mode, check_compile_su
 from app.model.dlrm import build_embedding_bag_collection, validate_dlrm_sizes
 from app.train.metrics import available_host_bytes
 from app.train.optimizers import fuse_sparse_optimizer
-from app.train.precision import FLOAT32, default_precision
+from app.train.precision import FLOAT32, check_precision_supported, default_precision
 
 Side = Literal["app", "raw", "raw_base"]
 
@@ -107,6 +107,7 @@ class BenchSpec:
 def check_can_run(spec: BenchSpec) -> None:
     """Raises a ValueError naming the setting for a configuration that cannot run here."""
     check_run_settings(spec.run)
+    _check_precision_on_device("run.precision", app_precision(spec.run, {}), spec.device_type)
     rows = spec.inputs.table_rows()
     if spec.dataset is None:
         spec.data.pooling_factors()  # raises for a malformed data.ids_per_lookup
@@ -126,6 +127,7 @@ def check_can_run(spec: BenchSpec) -> None:
                     f"model settings: {', '.join(spec.model)}"
                 )
         _check_precision(f"app_variants.{label}.{PRECISION_KEY}", overrides.get(PRECISION_KEY))
+        _check_precision_on_device(f"app_variants.{label}.{PRECISION_KEY}", app_precision(spec.run, overrides), spec.device_type)
         refresh_rate = overrides.get(PROGRESS_BAR_KEY, 0)
         if not isinstance(refresh_rate, int) or isinstance(refresh_rate, bool) or refresh_rate < 0:
             raise ValueError(f"app_variants.{label}.{PROGRESS_BAR_KEY} = {refresh_rate!r}: give a whole number of batches, 0 for no bar")
@@ -163,6 +165,14 @@ def _check_precision(setting: str, precision: str | None) -> None:
     """The app's strategy applies only these precisions (it refuses the others once its workers run)."""
     if precision is not None and precision not in APPLIED_PRECISIONS:
         raise ValueError(f"{setting} = {precision}: the app applies {' or '.join(APPLIED_PRECISIONS)}")
+
+
+def _check_precision_on_device(setting: str, precision: str, device_type: str) -> None:
+    """bf16 on a GPU without bf16 (app/train/precision.py), refused naming the bench's own setting."""
+    try:
+        check_precision_supported(precision, device_type)
+    except ValueError as error:
+        raise ValueError(f"{setting}{str(error).removeprefix('trainer.precision')}") from None
 
 
 def split_variant(overrides: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -49,6 +49,7 @@ from app.distributed.rendezvous import join_process_group, long_wait_group, wait
 from app.train.lr_schedule import move_scheduler
 from app.train.optimizers import StepOnceCombinedOptimizer
 from app.train.pipeline import StepCallsModel
+from app.train.precision import check_precision_supported
 from app.distributed.sharding import (
     PLANNER_OBJECTIVES,
     PlannedSharding,
@@ -314,6 +315,7 @@ class TorchRecStrategy(ParallelStrategy):
                 f"trainer.precision = {precision}: not applied to a TorchRec-sharded model (the app applies "
                 f"{' and '.join(APPLIED_PRECISIONS)}); use bf16-mixed"
             )
+        check_precision_supported(precision, str(getattr(self.precision_plugin, "device", "cpu")))  # MixedPrecision's device
 
     def _checkpoint_to_load(self, trainer: Trainer) -> str | None:
         if not self.requested_ckpt_path:

@@ -3,7 +3,9 @@
 ``TrainPipelineSparseDist`` starts the input all-to-all of batch i+1 while batch i computes (and,
 on GPUs, copies batch i+2 to the device meanwhile); ``TrainPipelineSemiSync`` also looks up the
 embeddings of batch i+1 before batch i's embedding update, so each batch's lookup sees tables one
-update old. Both call forward, backward, ``optimizer.zero_grad()`` and ``optimizer.step()``
+update old; ``TrainPipelineSparseDistLite`` keeps one batch in flight (its input all-to-all back on the
+step's path, for less memory) and ``TrainPipelineFusedSparseDist`` looks a batch's embeddings up on their
+own stream while the previous step's optimizer runs. All call forward, backward, ``optimizer.zero_grad()`` and ``optimizer.step()``
 themselves, which is why a pipelined module uses Lightning's manual optimization and receives
 ``dataloader_iter`` instead of a batch. What this module adds around them, and why:
 
@@ -41,8 +43,22 @@ from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from app.data.batches import CriteoBatch
 from app.data.loader import ResumableBatchLoader
 
-Pipeline = Literal["auto", "none", "sparse_dist", "semi_sync"]
-PIPELINES = ("auto", "none", "sparse_dist", "semi_sync")
+Pipeline = Literal["auto", "none", "sparse_dist", "semi_sync", "sparse_dist_lite", "fused_sparse_dist"]
+PIPELINES = ("auto", "none", "sparse_dist", "semi_sync", "sparse_dist_lite", "fused_sparse_dist")
+
+# The pipelines of TorchRec the setting names, by the class each drives (``none`` and ``auto`` drive none).
+# ``sparse_dist_lite``: one batch in flight, its input all-to-all on the step's path (less memory than
+# ``sparse_dist``); ``fused_sparse_dist``: the embedding lookup of a batch on its own stream, overlapping the
+# previous step's optimizer (the tables were already updated inside the fused backward).
+PIPELINE_CLASSES = {
+    "sparse_dist": "TrainPipelineSparseDist",
+    "semi_sync": "TrainPipelineSemiSync",
+    "sparse_dist_lite": "TrainPipelineSparseDistLite",
+    "fused_sparse_dist": "TrainPipelineFusedSparseDist",
+}
+# Pipelines that record CUDA streams on the batches they hold (``Tensor.record_stream``): on CPU they fail
+# inside the first step ("unknown parameter type").
+GPU_ONLY_PIPELINES = ("semi_sync", "fused_sparse_dist")
 
 
 @runtime_checkable
@@ -58,22 +74,43 @@ class StepCallsModel(Protocol):
 
 
 def check_pipeline(name: str) -> None:
-    """Raises a ValueError naming ``model.pipeline`` for an unknown value."""
+    """Raises a ValueError naming ``model.pipeline`` for an unknown value, or for a pipeline the installed
+    TorchRec lacks (``sparse_dist_lite`` came with torchrec 1.6)."""
     if name not in PIPELINES:
         raise ValueError(f"model.pipeline = {name!r} is not one of {', '.join(PIPELINES)}")
+    if name in PIPELINE_CLASSES:
+        pipeline_class(name)
+
+
+def check_pipeline_device(name: str, device_type: str) -> None:
+    """Raises a ValueError naming ``model.pipeline`` for a GPU-only pipeline on another device."""
+    if name in GPU_ONLY_PIPELINES and device_type != "cuda":
+        raise ValueError(
+            f"model.pipeline = {name} needs GPUs: TorchRec's {PIPELINE_CLASSES[name]} does not run on {device_type}; "
+            "use sparse_dist"
+        )
+
+
+def pipeline_class(name: str) -> type[TrainPipelineSparseDist]:
+    """The TorchRec class ``model.pipeline = name`` drives; a ValueError naming the setting where the
+    installed TorchRec has none of that name."""
+    from torchrec.distributed.train_pipeline import train_pipelines
+
+    found = getattr(train_pipelines, PIPELINE_CLASSES[name], None)
+    if found is None:
+        raise ValueError(
+            f"model.pipeline = {name}: torchrec {torchrec.__version__} has no {PIPELINE_CLASSES[name]}; "
+            "use sparse_dist or none"
+        )
+    return found
 
 
 def resolve_pipeline(name: str, device: torch.device, world_size: int) -> str:
     """The pipeline ``auto`` stands for on ``device`` with ``world_size`` processes: sparse_dist
     wherever there is something to overlap (GPUs; CPU with an input all-to-all), else none."""
-    if name == "semi_sync" and device.type == "cpu":
-        # TorchRec records CUDA streams on the batch and on its own embedding contexts there.
-        raise ValueError(
-            "model.pipeline = semi_sync needs GPUs: TorchRec's TrainPipelineSemiSync does not run on CPU; "
-            "use sparse_dist"
-        )
-    if name == "semi_sync":
-        _semi_sync_class()  # at set-up, not at the first step: older TorchRec may lack it
+    check_pipeline_device(name, device.type)
+    if name in PIPELINE_CLASSES:
+        pipeline_class(name)  # at set-up, not at the first step: older TorchRec may lack it
     if name != "auto":
         return name
     # GPUs: the input all-to-all and host-to-device copies run on their own streams, hidden behind
@@ -89,17 +126,6 @@ def resolve_pipeline(name: str, device: torch.device, world_size: int) -> str:
     # runs: TorchRec's pipelined loop 2.30 ms a step against its plain loop 1.85 ms; the app's
     # sparse_dist 3.12 ms against its plain loop 2.66 ms). Results are bit-identical either way.
     return "none" if device.type == "cpu" and world_size == 1 else "sparse_dist"
-
-
-def _semi_sync_class() -> type[TrainPipelineSparseDist]:
-    try:
-        from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSemiSync
-    except ImportError as error:
-        raise ValueError(
-            f"model.pipeline = semi_sync: torchrec {torchrec.__version__} has no TrainPipelineSemiSync; "
-            "use sparse_dist or none"
-        ) from error
-    return TrainPipelineSemiSync
 
 
 def _check_custom_forward(pipeline_class: type, name: str) -> None:
@@ -176,7 +202,7 @@ class PipelinedTraining:
     """Trains one batch per call with a TorchRec training pipeline, keeping Lightning's books right.
 
     Args:
-        name: ``sparse_dist`` or ``semi_sync``.
+        name: a pipeline of ``PIPELINE_CLASSES`` (``sparse_dist``, ``semi_sync``, ...).
         module: the LightningModule; its strategy's model must be TorchRec's DistributedModelParallel.
         loss_fn: click loss of (logits, batch), the same function the plain loop uses.
         semi_sync_start_step: pipeline batches trained synchronously before semi-sync starts.
@@ -197,19 +223,15 @@ class PipelinedTraining:
         model = module.trainer.strategy.model  # DistributedModelParallel around the LightningModule
         device = module.trainer.strategy.root_device
         kwargs: dict[str, Any] = dict(
-            model=model,
-            optimizer=_LightningOptimizerOf(module),
-            device=device,
-            execute_all_batches=True,
-            custom_model_fwd=self._forward,
+            model=model, optimizer=_LightningOptimizerOf(module), device=device, custom_model_fwd=self._forward
         )
+        driven = pipeline_class(name)
+        _check_custom_forward(driven, name)
+        if "execute_all_batches" in inspect.signature(driven.__init__).parameters:
+            kwargs["execute_all_batches"] = True  # the lite pipeline always does, and takes no such argument
         if name == "semi_sync":
-            pipeline_class = _semi_sync_class()
             kwargs["start_batch"] = semi_sync_start_step
-        else:
-            pipeline_class = TrainPipelineSparseDist
-        _check_custom_forward(pipeline_class, name)
-        self.pipeline = pipeline_class(**kwargs)
+        self.pipeline = driven(**kwargs)
         self._model = model
 
     def _forward(self, batch: CriteoBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -50,3 +50,23 @@ def default_precision(accelerator: object) -> tuple[str | None, str]:
         f"this CPU multiplies bf16 natively ({units}): the dense layers run under bf16 autocast, "
         "tables, optimizer state and the click logit stay float32; --trainer.precision 32-true for float32"
     )
+
+
+def check_precision_supported(precision: str, device_type: str, gpu_has_bf16: bool | None = None) -> None:
+    """Raises a ValueError naming ``trainer.precision`` for bf16 on a GPU without bf16 support, where torch's
+    autocast would fall back to float32 with a warning and the run would claim a precision it does not train in.
+
+    ``gpu_has_bf16``: whether the GPU supports bf16 (default: ``torch.cuda.is_bf16_supported()`` of the current
+    device, asked only on a CUDA run where CUDA is available). On CPU, bf16 is always allowed: emulated where the CPU lacks bf16 units."""
+    if device_type != "cuda" or not precision.startswith("bf16"):
+        return
+    if gpu_has_bf16 is None:
+        if not torch.cuda.is_available():
+            return  # no GPU to ask: the run stops at its device set-up, with CUDA's own error
+        gpu_has_bf16 = torch.cuda.is_bf16_supported()
+    if not gpu_has_bf16:
+        name = torch.cuda.get_device_name() if torch.cuda.is_available() else "this GPU"
+        raise ValueError(
+            f"trainer.precision = {precision}: {name} has no bf16 support (torch.cuda.is_bf16_supported() is False); "
+            f"use {FLOAT32}"
+        )

@@ -198,12 +198,30 @@ def test_train_loss_is_written_every_n_steps_as_the_mean_since_the_last_write(pl
         assert [float(row["train/loss"]) for row in rows] == pytest.approx(expected, rel=1e-6)
 
 
-def test_semi_sync_is_refused_on_cpu_and_unknown_pipelines_name_the_setting():
-    # TorchRec's semi-sync pipeline records CUDA streams; on CPU it fails deep inside the first step.
-    with pytest.raises(ValueError, match="model.pipeline = semi_sync needs GPUs"):
-        resolve_pipeline("semi_sync", torch.device("cpu"), 2)
-    assert resolve_pipeline("semi_sync", torch.device("cuda", 0), 1) == "semi_sync"
-    with pytest.raises(ValueError, match="model.pipeline = 'sparse' is not one of auto, none, sparse_dist, semi_sync"):
+def test_sparse_dist_lite_trains_the_same_batches_to_the_same_losses_bit_for_bit(plain, sample, tmp_path):
+    # One batch in flight instead of two, paused and resumed around the validations as sparse_dist is.
+    lite = run_on_ranks(2, pipeline_args(sample, tmp_path, "sparse_dist_lite"), tmp_path, probed)
+    for rank in range(2):
+        assert lite[rank]["steps"] == plain[rank]["steps"] and lite[rank]["global_step"] == MAX_STEPS
+        assert lite[rank]["validations"] == plain[rank]["validations"]
+    np.testing.assert_array_equal(lite[0]["probabilities"], plain[0]["probabilities"])
+
+
+@pytest.mark.parametrize("name", ["semi_sync", "fused_sparse_dist"])
+def test_gpu_only_pipelines_are_refused_on_cpu_before_any_worker_starts(name):
+    # Both record CUDA streams on the batches they hold; on CPU they fail deep inside the first step.
+    with pytest.raises(ValueError, match=f"model.pipeline = {name} needs GPUs: TorchRec's .* does not run on cpu; use sparse_dist"):
+        resolve_pipeline(name, torch.device("cpu"), 2)
+    with pytest.raises(ValueError, match=f"model.pipeline = {name} needs GPUs"):
+        DLRMModule(pipeline=name, num_embeddings_per_feature=10).check_before_launch("cpu", "fit")  # the CLI's first check
+    assert resolve_pipeline(name, torch.device("cuda", 0), 1) == name
+
+
+def test_unknown_pipelines_name_the_setting_and_every_choice():
+    with pytest.raises(
+        ValueError,
+        match="model.pipeline = 'sparse' is not one of auto, none, sparse_dist, semi_sync, sparse_dist_lite, fused_sparse_dist",
+    ):
         DLRMModule(pipeline="sparse")
 
 
