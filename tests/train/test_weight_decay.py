@@ -275,7 +275,7 @@ def test_sparse_decay_on_cpu_is_refused_before_the_first_step_and_evaluation_sta
                         over_arch_layer_sizes=[2, 1], sparse_weight_decay=1e-5)  # fmt: skip
     module.check_before_launch("cpu", "predict")  # the decay does not act outside training
     module.check_before_launch("cuda", "fit")
-    # A real 1-process fit: refused in setup, before the first step, with one line naming the setting.
+    # A real 1-process fit: refused by the CLI's check before any worker starts, with one line naming the setting.
     args = fit_args(sample, tmp_path, "table_wise", 64) + ["--model.sparse_weight_decay", "1e-5"]
     with rendezvous_port() as port:
         start_cli_ranks(1, port, args, None, tmp_path)
@@ -284,4 +284,4 @@ def test_sparse_decay_on_cpu_is_refused_before_the_first_step_and_evaluation_sta
         "ValueError: model.sparse_weight_decay = 1e-05: FBGEMM's CPU embedding kernels drop the decay "
         "(row-wise Adagrad's fp32 path applies none), so it would be ignored; train on GPUs or set it to 0\n"
     )
-    assert ", in setup\n" in error and "training_step" not in error
+    assert ", in instantiate_classes\n" in error and "training_step" not in error
