@@ -52,6 +52,7 @@ from app.train.pipeline import (
     PipelinedTraining,
     carry_step_count,
     check_pipeline,
+    check_pipeline_device,
     click_loss,
     resolve_pipeline,
 )
@@ -104,7 +105,11 @@ class DLRMModule(LightningModule):
             all-to-all of the next batch while this one computes; the same results as ``none``,
             bit for bit. ``semi_sync`` (GPUs only): TorchRec's TrainPipelineSemiSync, which also
             looks up the next batch's embeddings before this batch updates them (one update of
-            lag, from ``semi_sync_start_step`` on). ``auto``: ``sparse_dist`` on GPUs and on CPU with more than
+            lag, from ``semi_sync_start_step`` on). ``sparse_dist_lite`` (torchrec 1.6+): TorchRec's
+            TrainPipelineSparseDistLite, one batch in flight and its input all-to-all on the step's
+            path, for less memory; the same results as ``none``. ``fused_sparse_dist`` (GPUs only):
+            TorchRec's TrainPipelineFusedSparseDist, which looks each batch's embeddings up on their own
+            stream while the previous step's optimizer runs. ``auto``: ``sparse_dist`` on GPUs and on CPU with more than
             one process (measured the faster one there), ``none`` on one CPU process, which has no
             all-to-all to overlap (see app/train/pipeline.py).
         semi_sync_start_step: batches trained synchronously (counted from the start of this
@@ -272,8 +277,9 @@ class DLRMModule(LightningModule):
         it before any worker starts, ``setup`` again for every other caller. ``stage`` (Lightning's:
         fit, validate, test, predict) adds the checks of training alone, where known."""
         check_embedding_precision(self.hparams.embedding_precision, device_type)
-        if stage == "fit":  # the decay acts in training only: evaluating such a model on CPU is fine
+        if stage == "fit":  # the decay and the pipeline act in training only: evaluating such a model on CPU is fine
             check_sparse_weight_decay_device(self.hparams.sparse_weight_decay, device_type)
+            check_pipeline_device(self.hparams.pipeline, device_type)
         if self.hparams.compile:
             check_compile_supported(device_type, self.hparams.compile_mode)
 
