@@ -37,7 +37,7 @@ from torch.multiprocessing.spawn import ProcessException
 from app.bench.data import RandomData
 from app.bench.dataset import GROUP_DESCRIPTION, GROUP_TITLE, SKIPPED_SETTINGS, dataset_settings, read_dataset
 from app.bench.launch import run_on_ranks
-from app.bench.measure import growth_over_expected, step_statistics
+from app.bench.measure import BUSY_FIELDS, gpu_busy, growth_over_expected, step_statistics
 from app.bench.settings import BenchSpec, RunSettings, app_precision, check_can_run, check_run_settings, split_variant
 from app.train.precision import FLOAT32
 from app.data.datamodule import CriteoDataModule
@@ -160,6 +160,7 @@ def run_line(spec: BenchSpec, label: str, repeat: int, ranks: list[dict[str, Any
         "run": label,
         "repeat": repeat,
         **step_statistics(ranks[0]["step_times_s"], samples_per_step),
+        **gpu_busy(spec.device_type, spec.run.profile_steps, ranks[0]["step_times_s"], ranks[0]["kernel_busy_ms_per_step"]),
         "world_size": spec.run.world_size,
         "global_batch_size": global_batch,
         "warmup_steps": spec.run.warmup_steps,
@@ -199,6 +200,7 @@ def summary_line(spec: BenchSpec, lines: list[dict[str, Any]]) -> dict[str, Any]
         step_ms_by_run.setdefault(line["run"], []).append(line["step_ms_p50"])
     summary: dict[str, Any] = {"bench": spec.name, "summary": True}
     summary.update({f"{run}_samples_per_s_median": statistics.median(rates) for run, rates in by_run.items()})
+    summary.update(_busy_medians(lines))
     for baseline in ("raw", "raw_base"):
         for run, rates in by_run.items():
             if baseline in by_run and not run.startswith("raw"):
@@ -227,6 +229,17 @@ def summary_line(spec: BenchSpec, lines: list[dict[str, Any]]) -> dict[str, Any]
     judged = {"app": growth["app"]} if "app" in growth else {run: g for run, g in growth.items() if not run.startswith("raw")}
     summary["memory_target_holds"] = all(g <= MEMORY_TARGET_FACTOR for g in judged.values())
     return summary
+
+
+def _busy_medians(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per run, the median over repeats of ``gpu_busy_fraction`` and ``host_ms_per_step_outside_kernels``
+    (null where a repeat has none: CPU, or no profiled steps; the run lines say why)."""
+    medians: dict[str, Any] = {}
+    for run in dict.fromkeys(line["run"] for line in lines):
+        for field in BUSY_FIELDS:
+            values = [line[field] for line in lines if line["run"] == run]
+            medians[f"{run}_{field}_median"] = None if None in values else statistics.median(values)
+    return medians
 
 
 def device_description(spec: BenchSpec) -> str:

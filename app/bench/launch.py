@@ -109,6 +109,7 @@ def _rank_report(spec: BenchSpec, rank: int, device: torch.device, clock: StepCl
     return {
         "step_times_s": clock.step_times_s(),
         "phases_ms_per_step": clock.phases_ms,
+        "kernel_busy_ms_per_step": clock.kernel_busy_ms_per_step,
         "memory": {**peak_memory(device, clock.rss_at_setup_bytes, clock.hbm), "expected_bytes": expected},
         "threads": torch.get_num_threads(),
         "plan": format_plan(result["plan"]),

@@ -49,6 +49,7 @@ class StepClock:
         self.step_end_s: list[float] = []
         self.rss_at_setup_bytes = 0
         self.phases_ms: dict[str, Any] | None = None
+        self.kernel_busy_ms_per_step: float | None = None  # on GPUs, from the profiled steps
         self.hbm: dict[str, int] = {}  # on GPUs: HBM at the start of the measured steps and its peak over them
 
     def mark_setup(self) -> None:
@@ -75,6 +76,7 @@ class StepClock:
         if ended == profiled_end:
             wall_ms = (self.step_end_s[-1] - self.step_end_s[measured_end - 1]) * 1e3
             self.phases_ms = self.profiler.stop(wall_ms, self.profile_steps)  # type: ignore[union-attr]
+            self.kernel_busy_ms_per_step = self.profiler.kernel_busy_ms_per_step  # type: ignore[union-attr]
 
     def step_times_s(self) -> list[float]:
         """Durations of the measured steps: the first measured step starts when the last warm-up step ends."""
@@ -239,6 +241,34 @@ def autograd_working_set_bytes(model_args: dict[str, Any], batch_size: int, pool
     with torch.autograd.graph.saved_tensors_hooks(count, lambda tensor: tensor):
         dlrm(torch.zeros(batch_size, NUM_DENSE), sparse)
     return 2 * sum(saved.values())
+
+
+# The fields ``gpu_busy`` adds to a run's line that the summary gives a median of.
+BUSY_FIELDS = ("gpu_busy_fraction", "host_ms_per_step_outside_kernels")
+
+
+def gpu_busy(device_type: str, profile_steps: int, step_times_s: list[float], kernel_busy_ms_per_step: float | None) -> dict[str, Any]:
+    """How much of a measured step the device's kernels fill, and the host time left around them.
+
+    ``gpu_busy_fraction``: the kernels' busy time per step (the union of their time ranges in the
+    profiled steps, ``phases.kernel_busy_ms``) over the mean wall time of the measured steps;
+    ``host_ms_per_step_outside_kernels``: that wall time less the kernels' time, the part of a step the
+    host alone accounts for (launches, Python, waits). Both null, with ``gpu_busy_reason`` saying why,
+    on CPU (no separate device: the whole step is host time, ``step_ms_*``) and on a GPU run without
+    profiled steps (``run.profile_steps``), which alone give the kernels' time."""
+    if device_type != "cuda":
+        reason = "cpu run: no device kernels apart from the host, the whole step is host time (step_ms_*)"
+    elif not profile_steps or kernel_busy_ms_per_step is None:
+        reason = "no profiled steps: set run.profile_steps (e.g. 5) for the kernels' time"
+    else:
+        step_ms = sum(step_times_s) / len(step_times_s) * 1e3
+        return {
+            "gpu_busy_fraction": kernel_busy_ms_per_step / step_ms,
+            "host_ms_per_step_outside_kernels": max(0.0, step_ms - kernel_busy_ms_per_step),
+            "kernel_ms_per_step": kernel_busy_ms_per_step,
+            "gpu_busy_reason": None,
+        }
+    return {"gpu_busy_fraction": None, "host_ms_per_step_outside_kernels": None, "kernel_ms_per_step": None, "gpu_busy_reason": reason}
 
 
 def step_statistics(step_times_s: list[float], samples_per_step: list[int]) -> dict[str, float]:

@@ -102,6 +102,20 @@ def phase_table_ms(events: list[FunctionEvent], wall_ms: float, num_steps: int, 
     }
 
 
+def kernel_busy_ms(events: list[FunctionEvent]) -> float:
+    """Milliseconds in which at least one device kernel ran: the union of the kernels' time ranges, so
+    that kernels overlapping on several streams count once (0 for a profile without device events)."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end) for e in events if e.device_type in (DeviceType.CUDA, DeviceType.PrivateUse1)
+    )  # fmt: skip
+    busy_us, covered_until = 0.0, float("-inf")
+    for start, end in spans:
+        if end > covered_until:
+            busy_us += end - max(start, covered_until)
+            covered_until = end
+    return busy_us / 1e3
+
+
 class StepProfiler:
     """Profiles the steps between ``start()`` and ``stop()`` (the host, and the device's kernels on a
     GPU run) into a trace file."""
@@ -114,6 +128,7 @@ class StepProfiler:
         if self.device_time:
             activities.append(torch.profiler.ProfilerActivity.CUDA)  # ROCm too: HIP kernels are reported as CUDA
         self.profiler = torch.profiler.profile(activities=activities)
+        self.kernel_busy_ms_per_step: float | None = None  # set by stop() on a GPU run
 
     def start(self) -> None:
         self.profiler.start()
@@ -122,4 +137,7 @@ class StepProfiler:
         self.profiler.stop()
         self.trace_path.parent.mkdir(parents=True, exist_ok=True)
         self.profiler.export_chrome_trace(str(self.trace_path))
-        return phase_table_ms(list(self.profiler.events()), wall_ms, num_steps, self.device_time)
+        events = list(self.profiler.events())
+        if self.device_time:
+            self.kernel_busy_ms_per_step = kernel_busy_ms(events) / num_steps
+        return phase_table_ms(events, wall_ms, num_steps, self.device_time)

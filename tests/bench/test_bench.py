@@ -46,11 +46,17 @@ def test_make_bench_prints_a_json_line_per_run_and_the_ratio(tmp_path):
         assert line["samples_per_s_median"] > 0 and 0 < line["step_ms_p50"] <= line["step_ms_p90"] <= line["step_ms_p99"]
         assert [m["rank"] for m in line["peak_memory_per_rank"]] == [0, 1]
         assert line["config"]["data"]["ids_per_lookup"] == 2 and line["versions"]["torchrec"]
+        # No kernels apart from the host on CPU: the GPU fields are there, null, with the reason.
+        assert line["gpu_busy_fraction"] is None and line["host_ms_per_step_outside_kernels"] is None
+        assert line["gpu_busy_reason"].startswith("cpu run: ")
     # The app trains in its default precision on this machine (tests/train/test_precision.py), the raw loop in float32.
     assert lines[0]["config"]["precision"] == (default_precision("cpu")[0] or "32-true")
     assert lines[1]["config"]["precision"] == "32-true"
     summary = lines[2]
     assert summary["summary"] is True and summary["same_plan"] is True and summary["same_batches"] is True
+    assert {key: summary[key] for key in summary if "gpu_busy" in key or "outside_kernels" in key} == {
+        f"{run}_{field}_median": None for run in ("app", "raw") for field in ("gpu_busy_fraction", "host_ms_per_step_outside_kernels")
+    }
     assert summary["ratio_app_over_raw"] == pytest.approx(lines[0]["samples_per_s_median"] / lines[1]["samples_per_s_median"])
     assert summary["step_ms_p50_app_minus_raw"] == pytest.approx(lines[0]["step_ms_p50"] - lines[1]["step_ms_p50"])
     assert (tmp_path / "sharding_plan.json").is_file()  # the app's record of its plan, in the bench's folder
@@ -354,3 +360,33 @@ def test_the_phase_table_of_a_gpu_run_keeps_host_and_device_time_apart():
     assert split["host_ms"] == {**{k: v for k, v in host_only.items() if k != PYTHON}, HOST_REST_ON_GPU: host_only[PYTHON]}
     assert set(split["device_ms"]) == set(host_only) - {PYTHON}
     assert all(ms == 0 for ms in split["device_ms"].values())  # no kernel ran: a CPU profile has no device time
+
+
+def test_kernel_busy_time_counts_overlapping_kernels_once_and_ignores_the_host():
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from app.bench.phases import kernel_busy_ms
+
+    def event(start_us: int, end_us: int, device_type: DeviceType) -> FunctionEvent:
+        return FunctionEvent(0, "k", 0, start_us, end_us, device_type=device_type)
+
+    kernels = [event(0, 1000, DeviceType.CUDA), event(500, 1500, DeviceType.CUDA), event(3000, 3250, DeviceType.CUDA)]
+    host = [event(0, 10_000, DeviceType.CPU)]  # a host op spanning everything is no kernel time
+    # [0, 1.5 ms] on two streams counts once, then 0.25 ms: 1.75 ms busy in all.
+    assert kernel_busy_ms(host + kernels[::-1]) == 1.75
+    assert kernel_busy_ms(host) == 0.0
+
+
+def test_gpu_busy_fraction_is_kernel_time_over_the_measured_steps_wall_time():
+    from app.bench.measure import gpu_busy
+
+    steps_s = [0.004, 0.006, 0.005]  # a mean of 5 ms a step
+    busy = gpu_busy("cuda", profile_steps=5, step_times_s=steps_s, kernel_busy_ms_per_step=3.5)
+    assert busy["gpu_busy_fraction"] == pytest.approx(0.7) and busy["host_ms_per_step_outside_kernels"] == pytest.approx(1.5)
+    assert busy["kernel_ms_per_step"] == 3.5 and busy["gpu_busy_reason"] is None
+    unprofiled = gpu_busy("cuda", profile_steps=0, step_times_s=steps_s, kernel_busy_ms_per_step=None)
+    assert unprofiled["gpu_busy_fraction"] is None and "run.profile_steps" in unprofiled["gpu_busy_reason"]
+    on_cpu = gpu_busy("cpu", profile_steps=5, step_times_s=steps_s, kernel_busy_ms_per_step=None)
+    assert on_cpu["gpu_busy_fraction"] is None and on_cpu["host_ms_per_step_outside_kernels"] is None
+    assert on_cpu["gpu_busy_reason"].startswith("cpu run: ")
