@@ -30,9 +30,10 @@ from app.model.dlrm import Float32Linear, pairwise_dot_sum
 # The vocabulary's convention (app/data/preprocess/vocabulary.py): kept ids from 2, the rest 1.
 FIRST_CONTIGUOUS_ID = 2
 OUT_OF_VOCABULARY_ID = 1
-# A table with fewer rows stays float32 in an INT8 export: its bytes do not matter to the file, and the
-# per-row scale and bias would cost a quarter to a half of what quantising saves on such narrow rows.
-MIN_QUANTIZED_ROWS = 1024
+# A table with fewer rows stays float32 in an INT8 export: at most 256 x D x 4 bytes (64 KiB at D = 64),
+# nothing beside the compiled code (about 1.6 MB), and such a table's rows are each looked up often, so
+# keeping them exact costs no size worth saving.
+MIN_QUANTIZED_ROWS = 256
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ def as_int64(values: Any, name: str) -> torch.Tensor:
         return torch.from_numpy(values.astype("int64", copy=False))
     try:
         return torch.tensor(values, dtype=torch.int64)
-    except (RuntimeError, OverflowError) as error:  # a Python int beyond int64
+    except (RuntimeError, OverflowError, ValueError) as error:  # a Python int beyond int64 ("Overflow when unpacking")
         raise ValueError(f"input {name}: a value is outside int64 ({_INT64_MIN} to {_INT64_MAX}): {error}") from None
     except TypeError as error:
         raise ValueError(f"input {name}: not integers: {error}") from None
@@ -86,6 +86,21 @@ def check_inputs(contract: dict[str, Any], inputs: Sequence[torch.Tensor]) -> No
         if rows is not None and tensor.shape[0] != rows:
             raise ValueError(f"input {name}: {tensor.shape[0]} rows, but {specs[0]['name']} has {rows}")
         rows = tensor.shape[0]
+
+
+def read_tsv_rows(path: str | Path, labelled: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of a Criteo TSV file as the package takes them: dense counts (N, 13), raw ids (N, 26) (the hex
+    ids' values; an empty field is 0) and labels (N,) float32 (-1 where not ``labelled``: 39 fields).
+    Plain Python: for examples and checks, not a fast reader."""
+    dense, ids, labels = [], [], []
+    for line in Path(path).read_text().splitlines():
+        fields = line.split("\t")
+        label, fields = (float(fields[0]), fields[1:]) if labelled else (-1.0, fields)
+        fields += [""] * (39 - len(fields))  # trailing empty fields may be stripped
+        dense.append([int(x) if x else 0 for x in fields[:13]])
+        ids.append([int(x, 16) if x else 0 for x in fields[13:]])
+        labels.append(label)
+    return torch.tensor(dense, dtype=torch.int64), torch.tensor(ids, dtype=torch.int64), torch.tensor(labels)
 
 
 class ServingPackage:

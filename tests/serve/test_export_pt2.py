@@ -1,0 +1,168 @@
+"""``python -m app export --format pt2``: a package that scores raw log rows as ``python -m app predict`` does, in a
+process with torch alone; INT8 tables; the serving contract's checks on bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torchmetrics.functional.classification import binary_auroc
+from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from app.checkpoint import serving_runtime
+from app.checkpoint.export import main as export_main
+from app.checkpoint.export_pt2 import build_serving_module, check_lowerable, export_program, read_saved_weights
+from app.checkpoint.serving_graph import MIN_QUANTIZED_ROWS, RowWiseInt8
+from app.checkpoint.serving_runtime import ServingPackage, read_tsv_rows
+from app.model.dlrm import build_dlrm, build_dlrm_arguments
+from tests.multiprocess import run_on_ranks
+from tests.serve.models import counted_vocabulary, predict_args, write_model_file, written_probabilities
+
+# Two tables under MIN_QUANTIZED_ROWS (they stay float32 in an INT8 export), the others above it.
+HASHED_SIZES = [40, 60] + [300] * 24
+THRESHOLD = 2
+SCRIPT = Path(__file__).with_name("score_without_app.py")
+
+
+@pytest.fixture(scope="module")
+def served(sample, tmp_path_factory) -> dict:
+    """A hashed model packaged by the CLI (one AOTInductor compile), a model with a frequency threshold as an
+    exported program, both scored by ``predict`` and by a process where the app cannot be imported."""
+    folder = tmp_path_factory.mktemp("served")
+    hashed = write_model_file(folder / "hashed.pt", HASHED_SIZES, seed=5)
+    vocabulary = counted_vocabulary(sample["train"], THRESHOLD)
+    thresholded = write_model_file(folder / "threshold.pt", vocabulary.table_sizes, seed=6, vocabulary=vocabulary)
+    export_main(["--format", "pt2", "--ckpt_path", str(hashed), "--output", str(folder / "hashed.pt2")])
+    module = build_serving_module(read_saved_weights(thresholded), "none", thresholded)
+    torch.export.save(export_program(module, torch.device("cpu")), folder / "threshold_program.pt2")
+    run_on_ranks(1, predict_args(sample["val"], hashed, folder / "predict_hashed", 0), folder)
+    run_on_ranks(1, predict_args(sample["val"], thresholded, folder / "predict_threshold", THRESHOLD), folder)
+    out = folder / "scores.pt"
+    command = [sys.executable, str(SCRIPT), serving_runtime.__file__, str(folder / "hashed.pt2"),
+               str(folder / "threshold_program.pt2"), str(sample["val"]), str(out)]  # fmt: skip
+    subprocess.run(command, check=True, cwd=Path.cwd())
+    return {"folder": folder, "package": folder / "hashed.pt2", "hashed": hashed, "scores": torch.load(out),
+            "predicted_hashed": written_probabilities(folder / "predict_hashed"),
+            "predicted_threshold": written_probabilities(folder / "predict_threshold")}  # fmt: skip
+
+
+def test_a_process_without_the_app_torchrec_or_fbgemm_scores_as_predict(served):
+    scores = served["scores"]
+    assert scores["loaded"] == []  # the blocked modules were never loaded
+    predicted = served["predicted_hashed"]
+    assert predicted.size == 300 and predicted.std() > 0.05  # rows the model tells apart
+    # 6 decimals in predictions.tsv: up to 5e-7 of the difference is the file's rounding.
+    np.testing.assert_allclose(scores["whole"].numpy(), predicted, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(scores["program"].numpy(), served["predicted_threshold"], rtol=0, atol=1e-5)
+
+
+def test_one_package_scores_batches_of_1_7_and_4096_rows_alike(served):
+    scores = served["scores"]
+    whole = scores["whole"]
+    assert scores["ones"].shape == scores["sevens"].shape == whole.shape
+    # Another batch size may take another vectorised path through the same float32 sums.
+    torch.testing.assert_close(scores["ones"], whole, rtol=0, atol=1e-6)
+    torch.testing.assert_close(scores["sevens"], whole, rtol=0, atol=1e-6)
+    assert scores["tiled"].shape == (4096,)
+    torch.testing.assert_close(scores["tiled"], whole.repeat(14)[:4096], rtol=0, atol=1e-6)
+
+
+def test_the_contract_beside_the_package_names_inputs_order_mapping_and_versions(served):
+    contract = json.loads((served["folder"] / "hashed.contract.json").read_text())
+    assert [(i["name"], i["dtype"], i["shape"]) for i in contract["inputs"]] == [
+        ("dense_counts", "int64", ["batch", 13]), ("raw_ids", "int64", ["batch", 26])]  # fmt: skip
+    assert contract["inputs"][1]["features"] == [f"C{i}" for i in range(1, 27)]
+    assert contract["id_mapping"] == {"kind": "hash", "table_sizes": HASHED_SIZES}
+    assert contract["batch_rows"]["min"] == 1 and contract["batch_rows"]["max"] >= 4096
+    assert contract["versions"]["torch"] == torch.__version__
+
+
+def test_int8_tables_keep_the_auc_of_float32_and_small_tables_stay_float32(checkpoint_writer, sample, served, capsys):
+    trained = Path(checkpoint_writer["root"]) / "checkpoints" / "step=16.ckpt"
+    saved = read_saved_weights(trained)
+    dense, ids, labels = read_tsv_rows(sample["val"])
+    scored = {}
+    for quantize in ("none", "int8"):
+        program = export_program(build_serving_module(saved, quantize, trained), torch.device("cpu")).module()
+        with torch.no_grad():
+            scored[quantize] = program(dense, ids)
+    auc = {q: float(binary_auroc(p, labels.long())) for q, p in scored.items()}
+    assert auc["none"] > 0.55  # a model that learned something, so the comparison says something
+    assert abs(auc["int8"] - auc["none"]) <= 0.001, auc
+    messages: list[str] = []
+    hashed = build_serving_module(read_saved_weights(served["hashed"]), "int8", served["hashed"], report=messages.append)
+    assert messages == [f"int8: 2 table(s) under {MIN_QUANTIZED_ROWS} rows stay float32 (too small to quantise usefully): C1, C2"]
+    assert hashed.tables.groups == ([0, 1], list(range(2, 26)))
+
+
+def test_row_wise_int8_is_within_half_a_step_of_each_row():
+    weight = torch.randn(1000, 16, generator=torch.Generator().manual_seed(0))
+    weight[3] = 0.25  # a constant row: scale 0, exact
+    table = RowWiseInt8.of(weight)
+    error = (table.dequantized() - weight).abs()
+    step = table.scale.float()
+    assert bool((error <= step * 0.5 + 1e-6 + 2 * step * 255 * 2**-11).all())  # plus fp16's rounding of the scale
+    assert error[3].max() == 0
+
+
+@pytest.mark.parametrize(
+    ("dense", "ids", "message"),
+    [
+        (torch.zeros(4, 13), torch.zeros(4, 26, dtype=torch.int64), "input dense_counts: dtype torch.float32, expected torch.int64"),
+        (torch.zeros(4, 13, dtype=torch.int64), torch.zeros(4, 25, dtype=torch.int64), "input raw_ids: 25 features, expected 26 (C1..C26)"),
+        (torch.zeros(13, dtype=torch.int64), torch.zeros(1, 26, dtype=torch.int64), "input dense_counts: shape (13,), expected (batch, 13)"),
+        (torch.zeros(4, 13, dtype=torch.int64), torch.zeros(3, 26, dtype=torch.int64), "input raw_ids: 3 rows, but dense_counts has 4"),
+        (torch.zeros(0, 13, dtype=torch.int64), torch.zeros(0, 26, dtype=torch.int64), "input dense_counts: 0 rows, expected 1 to 65536"),
+        (np.zeros((2, 13), dtype=np.int64), np.full((2, 26), 2**64 - 1, dtype=np.uint64), "input raw_ids: id 18446744073709551615 is outside int64"),
+        (np.zeros((1, 13), dtype=np.int64), [[2**70] * 26], "input raw_ids: a value is outside int64"),
+        (np.zeros((1, 13), dtype=np.float64), np.zeros((1, 26), dtype=np.int64), "input dense_counts: dtype float64, expected int64 integers"),
+    ],
+    ids=["dtype", "feature_count", "shape", "rows_differ", "no_rows", "uint64_id", "python_int_id", "numpy_float"],
+)  # fmt: skip
+def test_bad_input_is_refused_naming_the_input(served, dense, ids, message):
+    package = ServingPackage(served["package"])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        package.score(dense, ids)
+
+
+def test_a_model_the_export_cannot_lower_is_refused_naming_the_setting(tmp_path):
+    with pytest.raises(ValueError, match=r"model.interaction = 'gated' has no plain-torch serving graph \(the pt2 export lowers dot, cat, dcn, projection\)"):
+        check_lowerable({"interaction": "gated"}, tmp_path / "model.pt")
+
+
+def test_the_cli_refuses_int8_for_the_torch_format_and_a_package_name_without_pt2(served, tmp_path, capsys):
+    for args, message in (
+        (["--quantize", "int8"], "error: quantize = 'int8' needs format = pt2"),
+        (["--format", "pt2", "--output", str(tmp_path / "model.bin")], "a pt2 package's name must end in .pt2"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            export_main(["--ckpt_path", str(served["hashed"]), *args])
+        assert stop.value.code == 2
+        assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("interaction", ["dot", "cat", "dcn", "projection"])
+def test_each_interaction_lowers_to_the_models_own_logits(interaction, sample, tmp_path):
+    settings = {"dcn_low_rank_dim": 4} if interaction == "dcn" else {}
+    if interaction == "projection":
+        settings = {"interaction_branch1_layer_sizes": [16, 16], "interaction_branch2_layer_sizes": [16, 16]}
+    path = write_model_file(tmp_path / "model.pt", HASHED_SIZES, seed=7, interaction=interaction, **settings)
+    saved = read_saved_weights(path)
+    serving = build_serving_module(saved, "none", path)
+    dense, ids, _ = read_tsv_rows(sample["val"])
+    model = build_dlrm(**build_dlrm_arguments(saved.hyper_parameters), embedding_device="cpu")
+    model.load_state_dict({k.removeprefix("model."): v for k, v in saved.state_dict.items()})
+    rows = torch.remainder(ids, torch.tensor(HASHED_SIZES))  # what the TSV reader hands the model
+    features = KeyedJaggedTensor.from_lengths_sync(
+        keys=list(DEFAULT_CAT_NAMES), values=rows.T.flatten(), lengths=torch.ones(rows.numel(), dtype=torch.int32)
+    )
+    with torch.no_grad():
+        expected = torch.sigmoid(model(torch.log1p(dense.clamp_min(0).double()).float(), features).squeeze(-1))
+        torch.testing.assert_close(serving(dense, ids), expected, rtol=0, atol=1e-6)
