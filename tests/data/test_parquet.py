@@ -116,6 +116,10 @@ def test_bad_parquet_inputs_are_refused_naming_the_file_column_and_row_group(tmp
     assert "column 'C9' holds 'xyz', not 1 to 8 hexadecimal digits" in refused(tmp_path, criteo_columns() | {"C9": ["xyz"] * 4})
     assert "the Parquet file holds no rows (row groups: 1)" in refused(tmp_path, {k: pa.array([], pa.int64()) for k in ["label", *DENSE_NAMES]}
                                                         | {n: pa.array([], pa.string()) for n in SPARSE_NAMES})  # fmt: skip
+    # Files whose schemas disagree: the first that differs from data.schema is named.
+    pq.write_table(pa.table(criteo_columns() | {"C2": [3] * 4}), tmp_path / "part-2.parquet")
+    with pytest.raises(ValueError, match=r"part-2.parquet: column 'C2' holds int64; data.schema declares strings"):
+        list(iter_parquet_chunks(tmp_path / "part-2.parquet", ParquetSchema(), 1 << 20))
     (tmp_path / "text.parquet").write_text("not parquet")
     with pytest.raises(ValueError, match="text.parquet: not a readable Parquet file"):
         list(iter_parquet_chunks(tmp_path / "text.parquet", ParquetSchema(), 1 << 20))
@@ -174,3 +178,35 @@ def test_the_schema_and_its_fields_are_documented_in_the_command_line_help(capsy
     for text in ("--data.schema.label", "the label column: 0/1", "--data.schema.group", "GAUC", "--data.schema.key_columns",
                  "up to 13 numeric columns", "1 to 26 id columns"):  # fmt: skip
         assert text in shown, text
+
+
+def _trained(cli) -> dict:
+    """The validation metrics and the dense layers' weights after fit (the tables enter the metrics)."""
+    module = cli.trainer.lightning_module
+    dense = {name: p.detach().numpy().copy() for name, p in module.named_parameters() if "embedding_bags" not in name}
+    return {"metrics": {k: float(v) for k, v in cli.trainer.callback_metrics.items()}, "dense": dense,
+            "step": cli.trainer.global_step}  # fmt: skip
+
+
+def test_the_two_roads_train_the_same_model_on_2_processes(roads, tmp_path):
+    from tests.multiprocess import DEMO_BEFORE_QUALITY_SETTINGS, run_on_ranks
+
+    results = {}
+    for road in ("tsv", "parquet"):
+        args = [
+            "fit", "--config", "configs/demo.yaml", *DEMO_BEFORE_QUALITY_SETTINGS, "--data.train", str(roads[f"train.{road}"]),
+            "--data.val", str(roads[f"val.{road}"]), "--data.test", "null", "--data.predict", "null",
+            "--data.batch_size", "128", "--data.frequency_threshold", "2", "--data.num_embeddings_per_feature", "auto",
+            "--data.cache_dir", str(tmp_path / f"cache_{road}"), "--model.embedding_dim", "8",
+            "--model.dense_arch_layer_sizes", "[16, 8]", "--model.over_arch_layer_sizes", "[16, 1]",
+            "--trainer.max_epochs", "1", "--trainer.logger", "false", "--trainer.enable_checkpointing", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path / road),
+        ]  # fmt: skip
+        results[road] = run_on_ranks(2, args, tmp_path / road, _trained)[0]
+    tsv, parquet = results["tsv"], results["parquet"]
+    assert tsv["step"] == parquet["step"] == 12  # 3,000 rows in global batches of 256: 11 full, one of 184
+    same = {name for name in tsv["metrics"] if name != "train/samples_per_sec"}  # a wall-clock rate
+    assert {"val/auc", "val/logloss", "train/loss"} <= same
+    assert {name: tsv["metrics"][name] for name in same} == {name: parquet["metrics"][name] for name in same}
+    assert tsv["dense"].keys() == parquet["dense"].keys()
+    assert all(np.array_equal(tsv["dense"][name], parquet["dense"][name]) for name in tsv["dense"])
