@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -166,3 +167,17 @@ def test_each_interaction_lowers_to_the_models_own_logits(interaction, sample, t
     with torch.no_grad():
         expected = torch.sigmoid(model(torch.log1p(dense.clamp_min(0).double()).float(), features).squeeze(-1))
         torch.testing.assert_close(serving(dense, ids), expected, rtol=0, atol=1e-6)
+
+
+def test_the_cpp_example_builds_against_the_wheels_libtorch_and_scores_as_python(served, sample, tmp_path):
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"no {' and no '.join(missing)} on this machine: the C++ example cannot be built")
+    build = tmp_path / "build"
+    prefix = f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"
+    subprocess.run(["cmake", "-S", "examples/serve_cpp", "-B", str(build), prefix], check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(build)], check=True, capture_output=True)
+    printed = subprocess.run([str(build / "serve_pt2"), str(served["package"]), str(sample["val"])],
+                             check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
+    scored = np.array([float(value) for value in printed])
+    np.testing.assert_allclose(scored, served["scores"]["whole"].numpy(), rtol=0, atol=1e-7)  # 9 digits printed
