@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SAMPLE := data/sample/train.tsv
 
-.PHONY: setup run test test-gpu test-compat sample lint bench bench-data bench-quality clean help
+.PHONY: setup run test test-gpu gpu-report test-compat sample lint bench bench-data bench-quality clean help
 
 help:
 	@echo "make run    - set up .venv and train the demo (2 CPU processes, sharded embeddings)"
@@ -14,6 +14,7 @@ help:
 	@echo "make setup  - only create .venv and install the pinned stack (DEVICE=cuda: the CUDA builds)"
 	@echo "make test-compat - the multi-process tests on the oldest, the CUDA image's and the newest supported stack"
 	@echo "make test-gpu - the GPU checks (tests/gpu, about 10 min on one GPU; each skips with its reason without one); report in runs/gpu-report.json"
+	@echo "make gpu-report - for a short GPU allocation: the GPU checks, then the GPU bench at 4,096 and 16,384 rows, each under its own deadline within GPU_BUDGET_S (600) seconds; every figure in GPU_REPORT_DIR (runs/gpu-report)"
 	@echo "make sample - only generate the bundled Criteo-format sample in data/sample/"
 	@echo "make lint   - lint the Dockerfile with hadolint"
 	@echo "make bench  - the app and each speed lever against a plain TorchRec loop, side by side, then the demo's AUC with and without each lever (JSON lines; BENCH_ARGS=\"--preset NAME ...\", BENCH_QUALITY=0)"
@@ -71,6 +72,17 @@ GPU_TEST_ARGS ?=
 test-gpu: setup
 	$(PY) -m pytest -m gpu tests/gpu -rs $(GPU_TEST_ARGS)
 
+# One command for a short GPU allocation (python -m app.bench.gpu_report): make test-gpu's checks on 12 workers,
+# their bench excluded, then the GPU bench at 4,096 and 16,384 rows per GPU, each part under its own deadline
+# carved from GPU_BUDGET_S seconds, so that a hang costs one part. Every figure goes to GPU_REPORT_DIR (its
+# summary.json says what ran, for how long, and how it ended); GPU_BENCH_ARGS adds bench arguments. Without a GPU
+# it says so and exits 0.
+GPU_BUDGET_S ?= 600
+GPU_REPORT_DIR ?= runs/gpu-report
+GPU_BENCH_ARGS ?=
+gpu-report: setup
+	$(PY) -m app.bench.gpu_report --budget_s $(GPU_BUDGET_S) --output_dir $(GPU_REPORT_DIR) --bench_args "$(GPU_BENCH_ARGS)"
+
 lint: setup
 	$(VENV)/bin/hadolint Dockerfile
 
@@ -110,7 +122,7 @@ COMPAT_TORCH_INDEX ?=
 COMPAT_TESTS := tests/distributed/test_sharding.py tests/checkpoint/test_resume.py \
 	tests/distributed/test_topology.py tests/cli/test_train.py::test_predict_writes_one_probability_per_row_in_order \
 	tests/train/test_optimizers.py tests/model/test_compile.py tests/distributed/test_qcomms.py \
-	tests/distributed/test_embedding_tables.py
+	tests/distributed/test_embedding_tables.py tests/train/test_pipeline_versions.py
 
 .venv-compat-%/.installed: requirements-compat-%.txt requirements.txt requirements-dev.txt
 	test -x .venv-compat-$*/bin/python || $(PYTHON) -m venv .venv-compat-$*
