@@ -17,6 +17,7 @@ from torchmetrics.functional.classification import binary_auroc
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from app.bench.serve import main as bench_main
 from app.checkpoint import serving_runtime
 from app.checkpoint.export import main as export_main
 from app.checkpoint.export_pt2 import build_serving_module, check_lowerable, export_program, read_saved_weights
@@ -181,3 +182,19 @@ def test_the_cpp_example_builds_against_the_wheels_libtorch_and_scores_as_python
                              check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
     scored = np.array([float(value) for value in printed])
     np.testing.assert_allclose(scored, served["scores"]["whole"].numpy(), rtol=0, atol=1e-7)  # 9 digits printed
+
+
+def test_the_serve_bench_prints_latency_throughput_and_ratios_for_every_size(served, sample, tmp_path, capsys):
+    output = tmp_path / "bench.json"
+    bench_main(["--ckpt_path", str(served["hashed"]), "--rows", str(sample["val"]), "--package", str(served["package"]),
+                "--int8", "false", "--calls", "3", "--warmup", "1", "--output_json", str(output)])  # fmt: skip
+    printed = capsys.readouterr().out.splitlines()
+    result = json.loads(output.read_text())
+    assert [(r["rows"], r["path"]) for r in result["records"]] == [
+        (rows, path) for rows in (1, 64, 512) for path in ("pt2-fp32", "app-predict")]  # fmt: skip
+    for record in result["records"]:
+        assert 0 < record["p50_ms"] <= record["p99_ms"] and record["rows_per_s"] > 0
+        assert any(line.split()[:2] == [str(record["rows"]), record["path"]] for line in printed)
+    assert [r["rows"] for r in result["ratios"]] == [1, 64, 512]
+    assert sum("app predict time per row / pt2-fp32" in line for line in printed) == 3
+    assert result["max_abs_difference"]["pt2-fp32"] <= 1e-5  # the same model on both paths
