@@ -295,10 +295,12 @@ class SaveOnSignal(Callback):
         """(the highest signal number any rank got, 0 for none; whether any rank got SLURM's requeue
         signal): a signal may reach only some ranks, and every rank must end the same way."""
         flags = [max(self._received, default=0), 1 if self._requeue_signal in self._received else 0]
-        received = torch.tensor(flags, device=trainer.strategy.root_device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            received = torch.tensor(flags, device=trainer.strategy.root_device)
             dist.all_reduce(received, op=dist.ReduceOp.MAX)
-        signum, any_requeue_signal = received.tolist()
+            flags = received.tolist()
+        # One process agrees with itself: no tensor, so no copy to a GPU and no wait for it every few steps.
+        signum, any_requeue_signal = flags
         if any_requeue_signal and self._requeues:
             self._start_requeue_deadline()  # the signal reached other ranks only: the deadline runs from now
         return int(signum), bool(any_requeue_signal)

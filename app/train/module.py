@@ -461,6 +461,8 @@ class DLRMModule(LightningModule):
         same table sharded, so Lightning's clipping over every group of the optimizer is narrowed to
         the dense layers' part.
         """
+        if not gradient_clip_val:  # Lightning calls this hook on every step, clipping or not
+            return
         self.clip_gradients(dense_layers_optimizer(optimizer), gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> Any:
