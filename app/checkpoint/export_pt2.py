@@ -40,6 +40,9 @@ LOWERED_INTERACTIONS = ("dot", "cat", "dcn", "projection")
 QUANTIZE_CHOICES = ("none", "int8")
 # The batch dimension's range: 1 row (one request) up to what one call may score.
 MAX_BATCH_ROWS = 65_536
+# No line tables (-g1) in the compiled code: they are about 1.4 MB of every package (more than the demo's
+# tables) and serve only a debugger; AOT_INDUCTOR_DEBUG_SYMBOLS=1 still adds full symbols when wanted.
+COMPILE_SETTINGS = {"aot_inductor.enable_line_tables": False}
 _TABLE_PREFIX = "model.sparse_arch.embedding_bag_collection.embedding_bags."
 
 
@@ -185,7 +188,7 @@ def export_pt2(source: Path, target: Path, quantize: str = "none", device: str |
     # file), then moved: never a half-written package under the final name.
     with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as partial_dir:
         partial = Path(partial_dir) / target.name
-        torch._inductor.aoti_compile_and_package(program, package_path=str(partial))
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=COMPILE_SETTINGS)
         os.replace(partial, target)
     contract_file = contract_path(target)
     contract_file.write_text(json.dumps(contract(saved, module, quantize, run_on), indent=1) + "\n")
