@@ -91,8 +91,14 @@ def _jagged_ids(sparse: np.ndarray | list[np.ndarray], batch_size: int) -> tuple
         return values, torch.ones(sparse.size, dtype=torch.int32)
     if len(sparse) != len(DEFAULT_CAT_NAMES):
         raise ValueError(f"expected {len(DEFAULT_CAT_NAMES)} multi-hot features, got {len(sparse)}")
-    # Feature j holds m_j ids per row, row after row: its (B, m_j) array flattened in row order.
-    values = torch.from_numpy(np.concatenate([ids.reshape(-1) for ids in sparse]).astype(np.int64, copy=False))
-    per_feature = np.array([ids.shape[1] for ids in sparse], dtype=np.int32)
-    lengths = torch.from_numpy(np.repeat(per_feature, batch_size))
-    return values, lengths
+    # Feature j holds m_j ids per row, row after row: its (B, m_j) array flattened in row order; or
+    # it is jagged, (ids per row (B,), the ids row after row): a list feature of own data (docs/own-data.md).
+    values, lengths = [], []
+    for ids in sparse:
+        if isinstance(ids, tuple):
+            lengths.append(np.asarray(ids[0], dtype=np.int32))
+            values.append(ids[1])
+        else:
+            lengths.append(np.full(batch_size, ids.shape[1], dtype=np.int32))
+            values.append(ids.reshape(-1))
+    return torch.from_numpy(np.concatenate(values).astype(np.int64, copy=False)), torch.from_numpy(np.concatenate(lengths))

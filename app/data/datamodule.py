@@ -33,7 +33,9 @@ from app.data.frequency_threshold import mapped_days, training_vocabulary
 from app.data.loader import ResumableBatchLoader, ignore_preemption_signals
 from app.data.numpy_days import NumpyDaysSource
 from app.data.parquet.groups import split_groups
+from app.data.parquet.jagged_source import JaggedDaysSource
 from app.data.parquet.keys import check_key_columns, read_key_columns
+from app.data.parquet.schema import check_list_settings
 from app.data.parquet.schema import ParquetSchema
 from app.data.preprocess import RAW_IDS, Vocabulary
 from app.data.source import RowSource
@@ -173,6 +175,7 @@ class CriteoDataModule(LightningDataModule):
         # The model's tables take these sizes (app.cli links them once this module exists); None with
         # `auto` until setup has read the training data (the model then builds its tables in its setup).
         self.table_sizes: list[int] | None = sizes_as_set(num_embeddings_per_feature)
+        self._sizes_setting = num_embeddings_per_feature
         if self.table_sizes is None and not (self.specs.get("train") or self.split):
             raise ValueError(f"{TABLE_SIZES_SETTING}: auto sizes the tables from the training data; set data.train or data.split")
 
@@ -281,6 +284,8 @@ class CriteoDataModule(LightningDataModule):
         if self.frequency_threshold:
             for files in found.values():
                 self._check_threshold_applies(files)
+        if any(files.format == "parquet" for files in found.values()):
+            check_list_settings(self.schema, self.frequency_threshold, self._sizes_setting)
         return found
 
     def _convert(self, stage: str) -> None:
@@ -354,7 +359,10 @@ class CriteoDataModule(LightningDataModule):
         if unlabelled and name != "predict":
             raise ValueError(f"data.{name}: {unlabelled[0]} has no label column (39 fields); only predict reads unlabelled rows")
         first = next((day["first_skipped_row"] for day in metadata["days"] if day["first_skipped_row"]), None)
-        source = NumpyDaysSource.from_directory(folder, None, self.table_sizes)
+        if files.format == "parquet" and self.schema.list_features:
+            source = JaggedDaysSource.from_directory(folder, None, self.table_sizes, list_features=list(self.schema.list_features))
+        else:
+            source = NumpyDaysSource.from_directory(folder, None, self.table_sizes)
         outside = from_metadata(metadata, *part_rows(files.part, len(source))) if name != "train" else None
         if outside is not None:  # counted as the split's days were mapped (app/data/vocabulary_coverage.py)
             where = f"data.{name}" if files.setting == f"data.{name}" else f"{files.setting} ({files.part} rows)"

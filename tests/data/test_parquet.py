@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from app.criteo import DENSE_NAMES, SPARSE_NAMES
 from app.data.datamodule import CriteoDataModule
@@ -210,3 +211,35 @@ def test_the_two_roads_train_the_same_model_on_2_processes(roads, tmp_path):
     assert {name: tsv["metrics"][name] for name in same} == {name: parquet["metrics"][name] for name in same}
     assert tsv["dense"].keys() == parquet["dense"].keys()
     assert all(np.array_equal(tsv["dense"][name], parquet["dense"][name]) for name in tsv["dense"])
+
+
+def test_a_list_column_reaches_the_model_as_a_jagged_feature_summed_per_row(tmp_path):
+    from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
+
+    from app.model.dlrm import build_embedding_bag_collection
+
+    lists = [[5, 1005, 7, 9], None, [], [3], [2, 2]]  # 4 ids cut to 3; a null and an empty list: no id
+    columns = {"label": [0, 1, 0, 1, 1], "price": [1.0, 2.0, None, 4.0, 5.0], "user": ["a", "b", "a", "c", "b"],
+               "recent_items": pa.array(lists, pa.list_(pa.int64()))}  # fmt: skip
+    pq.write_table(pa.table(columns), tmp_path / "train.parquet", row_group_size=2)
+    schema = ParquetSchema(label="label", dense=[DenseColumn("price", "none", 0.0)],
+                           categorical=[CategoricalColumn("user"), CategoricalColumn("recent_items", "integer", max_length=3)])  # fmt: skip
+    data = CriteoDataModule(train=str(tmp_path / "train.parquet"), schema=schema, num_embeddings_per_feature=1000,
+                            batch_size=5, shuffle=False, cache_dir=str(tmp_path / "cache"), cache_workers=1)  # fmt: skip
+    with pytest.warns(UserWarning, match=r"train.parquet: 1 lists longer than their data.schema max_length were cut"):
+        data.setup("fit")
+    (batch,) = list(data.train_dataloader())
+    items = batch.sparse_features[DEFAULT_CAT_NAMES[1]]
+    assert items.lengths().tolist() == [3, 0, 0, 1, 2]  # each row's true length, not padded
+    assert items.values().tolist() == [5, 5, 7, 3, 2, 2]  # ids modulo the table's 1,000 rows; 9 was cut
+    assert batch.sparse_features[DEFAULT_CAT_NAMES[0]].lengths().tolist() == [1] * 5
+    assert batch.sparse_features[DEFAULT_CAT_NAMES[5]].values().tolist() == [0] * 5  # a model input no column fills
+    tables = build_embedding_bag_collection(4, [1000] * 26, device="cpu")
+    pooled = tables(batch.sparse_features).to_dict()[DEFAULT_CAT_NAMES[1]]
+    weight = tables.embedding_bags[f"t_{DEFAULT_CAT_NAMES[1]}"].weight.detach()
+    by_hand = torch.stack([weight[ids].sum(0) if ids else torch.zeros(4) for ids in ([5, 5, 7], [], [], [3], [2, 2])])
+    assert torch.allclose(pooled, by_hand, atol=1e-6)
+    with pytest.raises(ValueError, match=r"data.frequency_threshold = 3 does not apply to the list columns of data.schema \(recent_items\)"):
+        CriteoDataModule(train=str(tmp_path / "train.parquet"), schema=schema, frequency_threshold=3).check_inputs("fit")
+    with pytest.raises(ValueError, match=r"auto does not count the ids of list columns \(recent_items\)"):
+        CriteoDataModule(train=str(tmp_path / "train.parquet"), schema=schema, num_embeddings_per_feature="auto").check_inputs("fit")

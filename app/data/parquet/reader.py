@@ -25,12 +25,17 @@ from app.data.tsv import CriteoArrays
 
 @dataclass
 class GroupedArrays(CriteoArrays):
-    """Rows with each row's group id (int64), for GAUC: the schema's group column."""
+    """Rows with each row's group id (int64), for GAUC (the schema's group column), and the list
+    columns' ids: feature index -> (ids per row int32 (rows,), the ids uint32 in row order)."""
 
     groups: np.ndarray | None = None
+    lists: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
+    truncated_rows: int = 0  # rows whose list was longer than its max_length, cut
 
 
-GROUPS_FILE = "groups.npy"  # day_N_groups.npy beside a day's files, with the schema's group column
+GROUPS_FILE = "groups.npy"
+LIST_LENGTHS_FILE = "list_{}_lengths.npy"  # day_N_list_<feature index>_lengths.npy: ids per row, int32
+LIST_IDS_FILE = "list_{}_ids.npy"  # day_N_list_<feature index>_ids.npy: the rows' ids one after another, int32  # day_N_groups.npy beside a day's files, with the schema's group column
 BYTES_PER_ROW_ESTIMATE = 256  # chunk rows = the preprocessor's block bytes / this
 _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 _FNV_PRIME = np.uint64(0x100000001B3)
@@ -60,6 +65,9 @@ def check_columns(path: Path, file: pq.ParquetFile, schema: ParquetSchema) -> bo
     for column in schema.categorical:
         wanted = "integers" if column.ids == "integer" else "strings"
         is_usable = pa.types.is_integer if column.ids == "integer" else _is_string
+        if column.max_length:
+            wanted, single = f"lists of {wanted} (max_length {column.max_length})", is_usable
+            is_usable = lambda t, single=single: _is_list(t) and single(t.value_type)  # noqa: E731
         _check_type(path, column.name, types, wanted, is_usable)
     if schema.group is not None:
         _check_type(path, schema.group, types, "group ids (integers or strings)", lambda t: pa.types.is_integer(t) or _is_string(t))
@@ -67,6 +75,10 @@ def check_columns(path: Path, file: pq.ParquetFile, schema: ParquetSchema) -> bo
         return False
     _check_type(path, schema.label, types, "0/1 labels", lambda t: pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t))
     return True
+
+
+def _is_list(arrow_type: pa.DataType) -> bool:
+    return pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type)
 
 
 def _is_string(arrow_type: pa.DataType) -> bool:
@@ -84,7 +96,8 @@ def _check_type(path: Path, name: str, types: dict[str, pa.DataType], wanted: st
 
 def iter_parquet_chunks(path: Path, schema: ParquetSchema, block_bytes: int) -> Iterator[tuple[CriteoArrays, int]]:
     """``(rows with raw 32-bit ids, 0 rows skipped)`` per chunk of a Parquet file, row group by row group."""
-    strings = [c.name for c in schema.categorical if c.ids != "integer"] + ([] if schema.group is None else [schema.group])
+    strings = [c.name for c in schema.categorical if c.ids != "integer" and not c.max_length]
+    strings += [] if schema.group is None else [schema.group]
     labelled = check_columns(path, open_parquet(path), schema)
     file = open_parquet(path, read_dictionary=strings)  # once the columns are known to be there
     columns = [c.name for c in schema.dense] + [c.name for c in schema.categorical] + ([schema.label] if labelled else [])
@@ -100,13 +113,33 @@ def _arrays(batch: pa.RecordBatch, schema: ParquetSchema, labelled: bool, where:
     dense = np.zeros((batch.num_rows, NUM_DENSE), dtype=np.float32)  # inputs no column fills hold 0
     for j, column in enumerate(schema.dense):
         dense[:, j] = dense_values(batch.column(column.name), column, where)
-    sparse = np.zeros((batch.num_rows, NUM_SPARSE), dtype=np.uint32)
+    sparse = np.zeros((batch.num_rows, NUM_SPARSE), dtype=np.uint32)  # a list feature's column stays 0
+    lists, truncated = {}, 0
     for j, column in enumerate(schema.categorical):
-        sparse[:, j] = raw_ids(batch.column(column.name), column, where)
+        if column.max_length:
+            lengths, ids, cut = list_ids(batch.column(column.name), column, where)
+            lists[j], truncated = (lengths, ids), truncated + cut
+        else:
+            sparse[:, j] = raw_ids(batch.column(column.name), column, where)
     labels = label_values(batch.column(schema.label), schema.label, where) if labelled else np.full(batch.num_rows, -1, np.float32)
-    if schema.group is None:
+    if schema.group is None and not lists:
         return CriteoArrays(dense, sparse.astype(np.int64), labels)
-    return GroupedArrays(dense, sparse.astype(np.int64), labels, groups=group_ids(batch.column(schema.group), schema.group, where))
+    groups = None if schema.group is None else group_ids(batch.column(schema.group), schema.group, where)
+    return GroupedArrays(dense, sparse.astype(np.int64), labels, groups=groups, lists=lists, truncated_rows=truncated)
+
+
+def list_ids(values: pa.Array, column: CategoricalColumn, where: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """A list column as (ids per row, at most max_length; the rows' first ids, uint32, in row order;
+    how many rows were longer). A null list has no id."""
+    lengths = pc.fill_null(pc.list_value_length(values), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+    flat = pc.list_flatten(values)  # the ids of the non-null lists, row after row
+    kept = np.minimum(lengths, column.max_length)
+    row_starts = np.cumsum(lengths) - lengths
+    within = np.arange(int(lengths.sum())) - np.repeat(row_starts, lengths)
+    keep = within < np.repeat(kept, lengths)
+    single = CategoricalColumn(column.name, column.ids)
+    ids = raw_ids(flat.filter(pa.array(keep)), single, where) if keep.size else np.empty(0, np.uint32)
+    return kept.astype(np.int32), ids, int(np.count_nonzero(lengths > kept))
 
 
 def group_ids(values: pa.Array, name: str, where: str) -> np.ndarray:

@@ -46,10 +46,15 @@ class CategoricalColumn:
             ``string``: any strings, hashed to 32-bit ids (64-bit FNV-1a folded to 32 bits);
             ``hex``: strings of 1 to 8 hexadecimal digits, read as the number they write (Criteo's ids,
             so that Parquet and raw TSV give the very same ids). A null is id 0, as an empty TSV field.
+        max_length: 0: one id per row. N >= 1: a list column (a multi-valued feature: the last items a
+            user clicked) of at most N ids per row, longer lists cut to their first N (counted, one
+            warning per file); the ids reach the model as a jagged feature (each row's own length, a
+            null or empty list none) and their embeddings are summed.
     """
 
     name: str
     ids: IdKind = "string"
+    max_length: int = 0
 
 
 def _criteo_dense() -> list[DenseColumn]:
@@ -96,6 +101,14 @@ class ParquetSchema:
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
             raise ValueError(f"data.schema names column {repeated[0]!r} more than once")
+        for column in self.categorical:
+            if column.max_length < 0:
+                raise ValueError(f"data.schema.categorical {column.name!r}: max_length = {column.max_length} must be >= 0")
+
+    @property
+    def list_features(self) -> dict[int, int]:
+        """Model feature index -> the most ids a row holds, for the list (multi-valued) columns."""
+        return {j: c.max_length for j, c in enumerate(self.categorical) if c.max_length}
 
     def as_dict(self) -> dict[str, Any]:
         """The schema as plain JSON values: for the cache's fingerprint and the conversion's workers."""
@@ -110,4 +123,22 @@ class ParquetSchema:
             [CategoricalColumn(**column) for column in values["categorical"]],
             values.get("group"),
             list(values.get("key_columns", [])),
+        )
+
+
+def check_list_settings(schema: ParquetSchema, frequency_threshold: int, table_sizes: Any) -> None:
+    """Refuses the settings list columns do not support yet, naming them: their ids are hashed into
+    the table sizes given (neither counted for ``auto`` nor mapped by a vocabulary)."""
+    names = [c.name for c in schema.categorical if c.max_length]
+    if not names:
+        return
+    if frequency_threshold:
+        raise ValueError(
+            f"data.frequency_threshold = {frequency_threshold} does not apply to the list columns of data.schema "
+            f"({', '.join(names)}): their ids are hashed into the table sizes; set data.frequency_threshold 0"
+        )
+    if table_sizes == "auto":
+        raise ValueError(
+            f"data.num_embeddings_per_feature: auto does not count the ids of list columns ({', '.join(names)}); "
+            "give the table sizes (one size, or one per table)"
         )

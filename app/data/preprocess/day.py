@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
 
 from app.criteo import NUM_DENSE, NUM_SPARSE
-from app.data.parquet.reader import GROUPS_FILE, iter_parquet_chunks
+from app.data.parquet.reader import GROUPS_FILE, LIST_IDS_FILE, LIST_LENGTHS_FILE, iter_parquet_chunks
 from app.data.parquet.schema import ParquetSchema
 from app.data.preprocess.chunks import iter_chunks
 from app.data.preprocess.config import DayResult, DayTask
@@ -36,6 +37,14 @@ def convert_day(task: DayTask) -> DayResult:
     # Parquet with a group column: each row's group id, for GAUC (read beside the days, not by the model).
     group_writer = NpyStreamWriter(task.path(GROUPS_FILE), np.int64, ()) if _has_groups(task) else None
     writers += [group_writer] if group_writer else []
+    # Parquet list columns: each row's number of ids and the ids, row after row (a jagged feature).
+    list_writers = {
+        j: (NpyStreamWriter(task.path(LIST_LENGTHS_FILE.format(j)), np.int32, ()),
+            NpyStreamWriter(task.path(LIST_IDS_FILE.format(j)), np.int32, ()))
+        for j in _list_features(task)
+    }  # fmt: skip
+    writers += [writer for pair in list_writers.values() for writer in pair]
+    truncated_rows = 0
     counter, positives, skipped, labelled, first_bad_row = DistinctIds(), 0, 0, True, None
     try:
         for arrays, skipped_here in _chunks(task):
@@ -45,6 +54,10 @@ def convert_day(task: DayTask) -> DayResult:
                 writer.write(part)
             if group_writer is not None:
                 group_writer.write(arrays.groups)
+            for j, (lengths_writer, ids_writer) in list_writers.items():
+                lengths_writer.write(arrays.lists[j][0])
+                ids_writer.write(arrays.lists[j][1].view(np.int32))  # raw 32-bit ids, stored as their bits
+            truncated_rows += getattr(arrays, "truncated_rows", 0)
             positives += int(np.count_nonzero(arrays.labels == 1))
             labelled = labelled and not (len(arrays) and arrays.labels[0] == -1)
             skipped += int(skipped_here)
@@ -52,6 +65,9 @@ def convert_day(task: DayTask) -> DayResult:
             report_rows(len(arrays))
         for writer in writers:
             writer.finish()
+        if truncated_rows:
+            warnings.warn(f"{task.input}: {truncated_rows} lists longer than their data.schema max_length were cut to it",
+                          stacklevel=1)  # fmt: skip
         stats = dict(rows=writers[0].rows, positives=positives, skipped_rows=skipped, labelled=labelled,
                      first_bad_row=first_bad_row)
         _save_day_stats(task, stats, counter)
@@ -62,6 +78,12 @@ def convert_day(task: DayTask) -> DayResult:
             writer.abort()
         raise
     return DayResult(task.day, writers[0].rows, time.perf_counter() - started)
+
+
+def _list_features(task: DayTask) -> list[int]:
+    if task.parquet_schema is None:
+        return []
+    return [j for j, column in enumerate(task.parquet_schema["categorical"]) if column.get("max_length")]
 
 
 def _has_groups(task: DayTask) -> bool:
