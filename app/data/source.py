@@ -34,7 +34,8 @@ class RowBlock:
     dense: float32 (B, 13), already transformed.
     sparse: int64 ids, already taken modulo the table sizes: either one (B, 26) matrix (one id per
         row and feature, as in raw Criteo), or a list of 26 arrays (B, m_j) for multi-hot features
-        with m_j ids per row (MLPerf DLRMv2), pooled into one bag per row and feature.
+        with m_j ids per row (MLPerf DLRMv2), pooled into one bag per row and feature; in that list a
+        jagged feature (a Parquet list column) is a tuple (ids per row (B,), the ids row after row).
     labels: float32 (B,), 0/1; -1 for unlabelled rows.
     """
 
