@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 
 from app.checkpoint.export_pt2 import SavedWeights, export_pt2, read_saved_weights
 from app.checkpoint.serving_runtime import ServingPackage, read_tsv_rows
@@ -38,7 +39,7 @@ from app.command import run_command
 from app.data.batches import make_batch
 from app.data.preprocess import map_to_contiguous
 from app.data.source import RowBlock
-from app.model.dlrm import build_dlrm, build_dlrm_arguments
+from app.model.dlrm import build_dlrm, build_dlrm_arguments, table_name
 
 BATCH_ROWS = (1, 64, 512)
 
@@ -83,8 +84,10 @@ def app_scorer(saved: SavedWeights) -> Callable[[np.ndarray, np.ndarray], torch.
 
 
 def _table_sizes(saved: SavedWeights) -> list[int]:
+    """Rows of each table, in feature order (a checkpoint lists its keys sorted as text: t_cat_10 before t_cat_2)."""
     prefix = "model.sparse_arch.embedding_bag_collection.embedding_bags."
-    return [int(v.shape[0]) for k, v in saved.state_dict.items() if k.startswith(prefix)]
+    keys = [f"{prefix}{table_name(feature)}.weight" for feature in DEFAULT_CAT_NAMES]
+    return [int(saved.state_dict[key].shape[0]) for key in keys if key in saved.state_dict]
 
 
 def latencies_ms(score: Callable[[Any, Any], Any], dense: Any, ids: Any, calls: int, warmup: int) -> np.ndarray:

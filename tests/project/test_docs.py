@@ -87,6 +87,10 @@ def _parses(module: str, args: list[str]) -> None:
         assert _exit_code(lambda: export_main([*args[1:], "--print_config"])) == 0
     elif module == "app.bench":
         bench_parser().parse_args(expand_presets(args))
+    elif module == "app.bench.serve":
+        from app.bench.serve import bench_serve
+
+        build_parser(bench_serve, module).parse_args(args)
     elif module == "app.bench.quality_guard":
         from app.bench.quality_guard import build_parser as quality_guard_parser
 
