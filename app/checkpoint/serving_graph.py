@@ -10,8 +10,8 @@ What the graph does, matching the data road and the model exactly:
   sorted vocabulary (``torch.searchsorted``): a kept id to its position + 2, any other to 1 (the
   out-of-vocabulary row), then ``mod table size`` (app/data/preprocess/vocabulary.py);
 * lookups: one ``embedding`` gather over the tables stacked into one weight (row offsets per feature), no
-  FBGEMM or TorchRec; INT8 tables are stored row-wise (uint8 codes, per-row fp16 scale and bias) and
-  dequantised in the graph after the gather;
+  FBGEMM or TorchRec; INT8 tables are stored row-wise (uint8 codes, a per-row fp16 scale and uint8 zero
+  point) and dequantised in the graph after the gather;
 * the dense, interaction and top parts are the trained model's own modules (TorchRec's are plain torch),
   and the factorization machine's terms are added as ``FactorizationMachineTerms`` adds them.
 """
@@ -31,35 +31,40 @@ from app.model.dlrm import Float32Linear, pairwise_dot_sum
 FIRST_CONTIGUOUS_ID = 2
 OUT_OF_VOCABULARY_ID = 1
 # A table with fewer rows stays float32 in an INT8 export: at most 256 x D x 4 bytes (64 KiB at D = 64),
-# nothing beside the compiled code (about 1.6 MB), and such a table's rows are each looked up often, so
+# little beside the compiled code (0.5 to 0.8 MB), and such a table's rows are each looked up often, so
 # keeping them exact costs no size worth saving.
 MIN_QUANTIZED_ROWS = 256
 
 
 @dataclass(frozen=True)
 class RowWiseInt8:
-    """A table quantised row by row: ``row ~= codes.float() * scale + bias`` (asymmetric, 256 levels)."""
+    """A table quantised row by row: ``row ~= (codes - zero_point) * scale``, 256 levels per row.
+
+    Per row an fp16 scale and a one-byte zero point (the row's bias, in steps): ``D + 3`` bytes for a row of
+    ``4 D`` in float32, 0.297 of it at ``D = 16`` (an fp16 bias would make it ``D + 4``, 0.31). The levels
+    span the row's values and 0, so 0 stays exact.
+    """
 
     codes: torch.Tensor  # (rows, D) uint8
     scale: torch.Tensor  # (rows, 1) float16
-    bias: torch.Tensor  # (rows, 1) float16
+    zero_point: torch.Tensor  # (rows, 1) uint8
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> "RowWiseInt8":
-        """Quantises ``weight`` (rows, D): each row's min and max span the 256 codes. The scale and bias are
-        rounded to fp16 first and the codes chosen against the rounded values, so the only error left is the
-        codes' rounding (at most half a step per element)."""
+        """Quantises ``weight`` (rows, D). The scale is rounded to fp16 first and the codes chosen against the
+        rounded value, so the error left is the codes' rounding: half a step, at most 0.62 of one at the row's
+        maximum where fp16 rounded the scale down (the top code then clips)."""
         weight = weight.float()
-        low = weight.min(dim=1, keepdim=True).values
-        high = weight.max(dim=1, keepdim=True).values
+        low = weight.min(dim=1, keepdim=True).values.clamp_max(0.0)
+        high = weight.max(dim=1, keepdim=True).values.clamp_min(0.0)
         scale = ((high - low) / 255.0).to(torch.float16)
-        bias = low.to(torch.float16)
-        step = scale.float().clamp_min(torch.finfo(torch.float16).tiny)  # a constant row has scale 0
-        codes = torch.round((weight - bias.float()) / step).clamp_(0, 255).to(torch.uint8)
-        return cls(codes, scale, bias)
+        step = scale.float().clamp_min(torch.finfo(torch.float16).tiny)  # an all-zero row has scale 0
+        zero_point = torch.round(-low / step).clamp_(0, 255)
+        codes = torch.round(weight / step + zero_point).clamp_(0, 255).to(torch.uint8)
+        return cls(codes, scale, zero_point.to(torch.uint8))
 
     def dequantized(self) -> torch.Tensor:
-        return self.codes.float() * self.scale.float() + self.bias.float()
+        return (self.codes.float() - self.zero_point.float()) * self.scale.float()
 
 
 class IdMapping(nn.Module):
@@ -109,7 +114,7 @@ class StackedTables(nn.Module):
         if int8_group:
             self.register_buffer("int8_codes", torch.cat([tables[j].codes for j in int8_group]), persistent=False)
             self.register_buffer("int8_scale", torch.cat([tables[j].scale for j in int8_group]), persistent=False)
-            self.register_buffer("int8_bias", torch.cat([tables[j].bias for j in int8_group]), persistent=False)
+            self.register_buffer("int8_zero_point", torch.cat([tables[j].zero_point for j in int8_group]), persistent=False)
 
     @staticmethod
     def _offsets(rows: list[int]) -> torch.Tensor:
@@ -124,8 +129,8 @@ class StackedTables(nn.Module):
             index = rows[:, int8_group] + self.int8_offsets
             codes = nn.functional.embedding(index, self.int8_codes).float()
             scale = nn.functional.embedding(index, self.int8_scale).float()
-            bias = nn.functional.embedding(index, self.int8_bias).float()
-            parts.append(codes * scale + bias)
+            zero_point = nn.functional.embedding(index, self.int8_zero_point).float()
+            parts.append((codes - zero_point) * scale)
         pooled = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return pooled if not (dense_group and int8_group) else pooled[:, self.feature_order]
 

@@ -108,14 +108,17 @@ def test_int8_tables_keep_the_auc_of_float32_and_small_tables_stay_float32(check
     assert hashed.tables.groups == ([0, 1], list(range(2, 26)))
 
 
-def test_row_wise_int8_is_within_half_a_step_of_each_row():
+def test_row_wise_int8_is_within_a_step_of_each_row_and_keeps_zero_exact():
     weight = torch.randn(1000, 16, generator=torch.Generator().manual_seed(0))
-    weight[3] = 0.25  # a constant row: scale 0, exact
+    weight[3] = 0.0  # an all-zero row: scale 0
+    weight[4, :8] = 0.0
     table = RowWiseInt8.of(weight)
     error = (table.dequantized() - weight).abs()
     step = table.scale.float()
-    assert bool((error <= step * 0.5 + 1e-6 + 2 * step * 255 * 2**-11).all())  # plus fp16's rounding of the scale
-    assert error[3].max() == 0
+    # Half a step, plus where fp16 rounded the scale down by up to 2^-11 the clipped top code (255 steps' worth).
+    assert bool((error <= step * (0.5 + 255 * 2**-11) + 1e-7).all())
+    assert error[3].max() == 0 and error[4, :8].max() == 0
+    assert table.codes.dtype == table.zero_point.dtype == torch.uint8 and table.scale.dtype == torch.float16
 
 
 @pytest.mark.parametrize(
