@@ -32,7 +32,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning
 import torch
@@ -77,11 +77,13 @@ def export_checkpoint(
     ckpt_path: str,
     output: str = "model.pt",
     checkpoint_dir: str | None = None,
-    format: str = "torch",
-    quantize: str = "none",
+    format: Literal["torch", "pt2"] = "torch",
+    quantize: Literal["none", "int8"] = "none",
 ) -> Path:
-    """Writes one unsharded model file (plain tensors plus the model's hyper-parameters), or with
-    ``--format pt2`` an AOTInductor package a server loads with torch alone (docs/serving.md).
+    """Writes one unsharded model file, or with ``--format pt2`` a package servers load with torch alone.
+
+    The model file holds plain tensors and the model's hyper-parameters; the pt2 package is compiled with
+    AOTInductor, the id mapping inside (docs/serving.md).
 
     Args:
         ckpt_path: a sharded checkpoint folder written by ``python -m app fit`` (e.g.
