@@ -1,10 +1,11 @@
 """Run as a script: scores rows with a pt2 package (and an exported program) in a process where importing
 ``app``, ``torchrec`` or ``fbgemm_gpu`` fails, as on a server that has torch alone.
 
-    python score_without_app.py RUNTIME_PY PACKAGE_PT2 PROGRAM_PT2 ROWS_TSV OUT_PT
+    python score_without_app.py RUNTIME_PY PACKAGE_PT2 ROWS_TSV OUT_PT [PROGRAM_PT2 ...]
 
 Saves to OUT_PT: the package's probabilities of ROWS (one batch), of the same rows in batches of 1 and 7
-and tiled to 4,096 rows, the exported program's probabilities, and the blocked modules found loaded.
+and tiled to 4,096 rows, each exported program's probabilities (by file stem), and the blocked modules
+found loaded.
 """
 
 import importlib.abc
@@ -35,7 +36,7 @@ def load_runtime(path: str):
     return module
 
 
-def main(runtime_py: str, package_pt2: str, program_pt2: str, rows_tsv: str, out_pt: str) -> None:
+def main(runtime_py: str, package_pt2: str, rows_tsv: str, out_pt: str, *programs_pt2: str) -> None:
     for name in BLOCKED:
         try:
             __import__(name)
@@ -50,9 +51,11 @@ def main(runtime_py: str, package_pt2: str, program_pt2: str, rows_tsv: str, out
     in_sevens = torch.cat([package.score(dense[i : i + 7], ids[i : i + 7]) for i in range(0, dense.shape[0], 7)])
     repeats = -(-4096 // dense.shape[0])
     tiled = package.score(dense.repeat(repeats, 1)[:4096], ids.repeat(repeats, 1)[:4096])
-    program = torch.export.load(program_pt2).module()
-    with torch.no_grad():
-        by_program = program(dense, ids)
+    by_program = {}
+    for path in programs_pt2:
+        program = torch.export.load(path).module()
+        with torch.no_grad():
+            by_program[path.rsplit("/", 1)[-1].removesuffix(".pt2")] = program(dense, ids)
     loaded = sorted(name for name in sys.modules if name.split(".")[0] in BLOCKED)
     torch.save({"whole": whole, "ones": in_ones, "sevens": in_sevens, "tiled": tiled, "program": by_program,
                 "loaded": loaded}, out_pt)  # fmt: skip

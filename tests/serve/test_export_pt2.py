@@ -34,9 +34,10 @@ SCRIPT = Path(__file__).with_name("score_without_app.py")
 
 
 @pytest.fixture(scope="module")
-def served(sample, tmp_path_factory) -> dict:
-    """A hashed model packaged by the CLI (one AOTInductor compile), a model with a frequency threshold as an
-    exported program, both scored by ``predict`` and by a process where the app cannot be imported."""
+def served(sample, checkpoint_writer, tmp_path_factory) -> dict:
+    """A hashed model packaged by the CLI (one AOTInductor compile); a model with a frequency threshold, and a
+    trained one in float32 and INT8, as exported programs (the graph the compile takes, without the C++);
+    all scored by a process where the app cannot be imported, the first two also by ``predict``."""
     folder = tmp_path_factory.mktemp("served")
     hashed = write_model_file(folder / "hashed.pt", HASHED_SIZES, seed=5)
     vocabulary = counted_vocabulary(sample["train"], THRESHOLD)
@@ -44,15 +45,18 @@ def served(sample, tmp_path_factory) -> dict:
     # The compile (C++, most of this fixture's time) runs as a user runs it, beside the predictions.
     export = subprocess.Popen([sys.executable, "-m", "app", "export", "--format", "pt2", "--ckpt_path", str(hashed),
                                "--output", str(folder / "hashed.pt2")], stdout=subprocess.PIPE, text=True)  # fmt: skip
-    module = build_serving_module(read_saved_weights(thresholded), "none", thresholded)
-    torch.export.save(export_program(module, torch.device("cpu")), folder / "threshold_program.pt2")
+    trained = Path(checkpoint_writer["root"]) / "checkpoints" / "step=16.ckpt"
+    programs = {"threshold": (thresholded, "none"), "trained_none": (trained, "none"), "trained_int8": (trained, "int8")}
+    for name, (source, quantize) in programs.items():
+        module = build_serving_module(read_saved_weights(source), quantize, source)
+        torch.export.save(export_program(module, torch.device("cpu")), folder / f"{name}.pt2")
     run_on_ranks(1, predict_args(sample["val"], hashed, folder / "predict_hashed", 0), folder)
     run_on_ranks(1, predict_args(sample["val"], thresholded, folder / "predict_threshold", THRESHOLD), folder)
     printed, _ = export.communicate()
     assert export.returncode == 0 and f"as {folder / 'hashed.pt2'}" in printed, printed
     out = folder / "scores.pt"
-    command = [sys.executable, str(SCRIPT), serving_runtime.__file__, str(folder / "hashed.pt2"),
-               str(folder / "threshold_program.pt2"), str(sample["val"]), str(out)]  # fmt: skip
+    command = [sys.executable, str(SCRIPT), serving_runtime.__file__, str(folder / "hashed.pt2"), str(sample["val"]),
+               str(out), *(str(folder / f"{name}.pt2") for name in programs)]  # fmt: skip
     subprocess.run(command, check=True, cwd=Path.cwd())
     return {"folder": folder, "package": folder / "hashed.pt2", "hashed": hashed, "scores": torch.load(out),
             "predicted_hashed": written_probabilities(folder / "predict_hashed"),
@@ -66,7 +70,7 @@ def test_a_process_without_the_app_torchrec_or_fbgemm_scores_as_predict(served):
     assert predicted.size == 300 and predicted.std() > 0.05  # rows the model tells apart
     # 6 decimals in predictions.tsv: up to 5e-7 of the difference is the file's rounding.
     np.testing.assert_allclose(scores["whole"].numpy(), predicted, rtol=0, atol=1e-5)
-    np.testing.assert_allclose(scores["program"].numpy(), served["predicted_threshold"], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(scores["program"]["threshold"].numpy(), served["predicted_threshold"], rtol=0, atol=1e-5)
 
 
 def test_one_package_scores_batches_of_1_7_and_4096_rows_alike(served):
@@ -90,16 +94,10 @@ def test_the_contract_beside_the_package_names_inputs_order_mapping_and_versions
     assert contract["versions"]["torch"] == torch.__version__
 
 
-def test_int8_tables_keep_the_auc_of_float32_and_small_tables_stay_float32(checkpoint_writer, sample, served, capsys):
-    trained = Path(checkpoint_writer["root"]) / "checkpoints" / "step=16.ckpt"
-    saved = read_saved_weights(trained)
-    dense, ids, labels = read_tsv_rows(sample["val"])
-    scored = {}
-    for quantize in ("none", "int8"):
-        program = export_program(build_serving_module(saved, quantize, trained), torch.device("cpu")).module()
-        with torch.no_grad():
-            scored[quantize] = program(dense, ids)
-    auc = {q: float(binary_auroc(p, labels.long())) for q, p in scored.items()}
+def test_int8_tables_keep_the_auc_of_float32_and_small_tables_stay_float32(served, sample):
+    _, _, labels = read_tsv_rows(sample["val"])
+    scored = served["scores"]["program"]  # a trained model's float32 and INT8 graphs, scored without the app
+    auc = {q: float(binary_auroc(scored[f"trained_{q}"], labels.long())) for q in ("none", "int8")}
     assert auc["none"] > 0.55  # a model that learned something, so the comparison says something
     assert abs(auc["int8"] - auc["none"]) <= 0.001, auc
     messages: list[str] = []
