@@ -237,7 +237,7 @@ def _busy_medians(lines: list[dict[str, Any]]) -> dict[str, Any]:
     medians: dict[str, Any] = {}
     for run in dict.fromkeys(line["run"] for line in lines):
         for field in BUSY_FIELDS:
-            values = [line[field] for line in lines if line["run"] == run]
+            values = [line.get(field) for line in lines if line["run"] == run]
             medians[f"{run}_{field}_median"] = None if None in values else statistics.median(values)
     return medians
 
