@@ -156,32 +156,37 @@ def bench_serve(
     if threads:
         torch.set_num_threads(threads)
     source = Path(ckpt_path).expanduser()
-    saved = read_saved_weights(source)
-    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
-    fp32_path = Path(package) if package else export_pt2(source, work / "model.pt2")
-    scorers: dict[str, Callable] = {"pt2-fp32": ServingPackage(fp32_path).score}
-    if int8:
-        int8_path = Path(int8_package) if int8_package else export_pt2(source, work / "model-int8.pt2", "int8")
-        scorers["pt2-int8"] = ServingPackage(int8_path).score
-    scorers["app-predict"] = app_scorer(saved)
     dense, ids, _ = read_tsv_rows(rows)
-    differences = agreement(scorers, dense, ids)
-    records = measure(scorers, dense, ids, calls, warmup)
-    print(f"{'rows':>5} {'path':<12} {'p50 ms':>9} {'p99 ms':>9} {'rows/s':>11}")
-    for r in records:
-        print(f"{r['rows']:>5} {r['path']:<12} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f} {r['rows_per_s']:>11.0f}")
-    compared = ratios(records)
-    for r in compared:
-        print(f"{r['rows']:>5} rows: app predict time per row / {r['path']} = {r['app_time_over_package_time']:.2f}")
-    sizes = {"pt2-fp32": fp32_path.stat().st_size, **({"pt2-int8": int8_path.stat().st_size} if int8 else {})}
-    print("max |probability - app predict's| over the rows: " + ", ".join(f"{k} {v:.2e}" for k, v in differences.items()))
-    print("package bytes: " + ", ".join(f"{k} {v}" for k, v in sizes.items()))
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as work:  # packages exported for this run only
+        packages = {"pt2-fp32": Path(package) if package else export_pt2(source, Path(work) / "model.pt2")}
+        if int8:
+            packages["pt2-int8"] = Path(int8_package) if int8_package else export_pt2(source, Path(work) / "model-int8.pt2", "int8")
+        scorers: dict[str, Callable] = {name: ServingPackage(path).score for name, path in packages.items()}
+        sizes = {name: path.stat().st_size for name, path in packages.items()}
+        scorers["app-predict"] = app_scorer(read_saved_weights(source))
+        try:
+            differences = agreement(scorers, dense, ids)
+            records = measure(scorers, dense, ids, calls, warmup)
+        finally:
+            dist.destroy_process_group()  # the one-process group of the app's path
+    summary = {"records": records, "ratios": ratios(records), "package_bytes": sizes, "max_abs_difference": differences,
+               "torch": torch.__version__, "threads": torch.get_num_threads()}  # fmt: skip
+    print_summary(summary)
     if output_json:
-        Path(output_json).write_text(json.dumps({"records": records, "ratios": compared, "package_bytes": sizes, "max_abs_difference": differences,
-                                                 "torch": torch.__version__, "threads": torch.get_num_threads()}, indent=1))  # fmt: skip
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        Path(output_json).write_text(json.dumps(summary, indent=1))
     return records
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    """The records as a table, then the ratios, the largest differences and the package sizes."""
+    print(f"{'rows':>5} {'path':<12} {'p50 ms':>9} {'p99 ms':>9} {'rows/s':>11}")
+    for r in summary["records"]:
+        print(f"{r['rows']:>5} {r['path']:<12} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f} {r['rows_per_s']:>11.0f}")
+    for r in summary["ratios"]:
+        print(f"{r['rows']:>5} rows: app predict time per row / {r['path']} = {r['app_time_over_package_time']:.2f}")
+    differences = summary["max_abs_difference"]
+    print("max |probability - app predict's| over the rows: " + ", ".join(f"{k} {v:.2e}" for k, v in differences.items()))
+    print("package bytes: " + ", ".join(f"{k} {v}" for k, v in summary["package_bytes"].items()))
 
 
 def main(argv: list[str] | None = None) -> None:
