@@ -65,7 +65,8 @@ def read_saved_weights(source: Path) -> SavedWeights:
             raise ValueError(f"ckpt_path {source} is not a model file from `python -m app export` ({type(error).__name__})") from None
         if not isinstance(contents, dict) or contents.get("format") != EXPORT_FORMAT:
             raise ValueError(f"ckpt_path {source} is not a model file from `python -m app export` (no format {EXPORT_FORMAT!r})")
-        hyper_parameters, state_dict, data_state = contents.get("hyper_parameters") or {}, contents["state_dict"], data_module_state(contents)
+        hyper_parameters, state_dict = contents.get("hyper_parameters") or {}, contents["state_dict"]
+        data_state = data_module_state(contents)
     else:
         info = read_checkpoint(source)  # complete and readable, or a ValueError naming the path
         hyper_parameters, data_state = info.meta.get("hyper_parameters") or {}, data_module_state(info.meta)

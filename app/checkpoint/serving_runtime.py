@@ -114,8 +114,9 @@ class ServingPackage:
         self.model = torch._inductor.aoti_load_package(str(self.path))
 
     def score(self, dense_counts: Any, raw_ids: Any) -> torch.Tensor:
-        """Click probabilities (B,) float32 for B rows of raw counts and raw ids (checked, then run)."""
+        """Click probabilities (B,) float32 on the CPU for B rows of raw counts and raw ids (checked, then run
+        on the package's device)."""
         inputs = [as_int64(dense_counts, DENSE_INPUT), as_int64(raw_ids, SPARSE_INPUT)]
         check_inputs(self.contract, inputs)
         with torch.no_grad():
-            return self.model(*(tensor.to(self.device) for tensor in inputs))
+            return self.model(*(tensor.to(self.device) for tensor in inputs)).cpu()

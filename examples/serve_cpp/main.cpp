@@ -69,8 +69,10 @@ int main(int argc, char** argv) {
   auto dense_counts = at::from_blob(dense.data(), {rows, kDense}, options);  // views of the vectors
   auto raw_ids = at::from_blob(ids.data(), {rows, kSparse}, options);
 
-  torch::inductor::AOTIModelPackageLoader loader(argv[1]);  // the package's compiled model, on its device
-  auto probabilities = loader.run({dense_counts, raw_ids})[0];
+  torch::inductor::AOTIModelPackageLoader loader(argv[1]);  // the package's compiled model
+  // A package exported on a GPU runs there: the inputs go to the device it was compiled for.
+  const c10::Device device(loader.get_metadata().at("AOTI_DEVICE_KEY"));
+  auto probabilities = loader.run({dense_counts.to(device), raw_ids.to(device)})[0].cpu();
   auto values = probabilities.contiguous().data_ptr<float>();
   std::cout.precision(9);
   for (int64_t i = 0; i < rows; ++i) std::cout << values[i] << "\n";
