@@ -45,3 +45,14 @@ def test_a_part_that_hangs_is_ended_at_its_deadline_and_keeps_what_it_wrote(tmp_
     ends = Part("ends", [sys.executable, "-c", "import sys; print('{}'); sys.exit(3)"], "ends.log", 1.0, {})
     assert run_part(ends, tmp_path, deadline_s=60)["exit_status"] == 3
     assert (tmp_path / "ends.log").read_text() == "{}\n"
+
+
+def test_the_gpu_bench_commands_parse_as_the_bench_reads_them(tmp_path):
+    # A typo here would cost a GPU allocation: each bench part's arguments go through the bench's own parser.
+    from app.bench import cli as bench_cli
+    from app.bench.gpu_report import GPU_VARIANTS, plan
+
+    for part in plan(sys.executable, tmp_path)[1:]:
+        spec = bench_cli.spec_from(bench_cli.build_parser().parse_args(bench_cli.expand_presets(part.command[3:])))
+        assert spec.run.accelerator == "gpu" and spec.run.profile_steps == 5 and spec.run.sides == ["app", "raw"]
+        assert spec.app_variants == GPU_VARIANTS and spec.data.batch_size_per_rank == int(part.name.removeprefix("bench_"))
