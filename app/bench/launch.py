@@ -122,7 +122,7 @@ def _embedding_hbm_bandwidth(
     table_shapes: dict[str, tuple[int, int]],
 ) -> dict[str, Any] | None:
     """The embedding kernels' share of the HBM bandwidth (see measure.embedding_bytes_per_step): on a
-    GPU run with profiled steps only, where the profiler gives the kernels' device time."""
+    GPU run with profiled steps only, where the profiler gives the kernels' time on the GPU."""
     if device.type != "cuda" or clock.phases_ms is None or "device_ms" not in clock.phases_ms:
         return None
     model = spec.model_args()

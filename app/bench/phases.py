@@ -15,7 +15,7 @@ so the host's time per phase is launch cost, and time the device spends is spent
 host waits wherever it next synchronises (inside an op, or outside any op, which would read as
 "python"). There the table is two tables: ``host_ms``, the host's time per phase with the rest
 named for what it may be (Python, or a wait for the device outside any op), and ``device_ms``, the
-time of the kernels each phase's ops launched (the profiler's device time, attributed through the
+time of the kernels each phase's ops launched (the profiler's GPU-side time, attributed through the
 op that launched them; kernels on different streams overlap, so they may add up to more than the
 wall time). The clock synchronises with the device at the end of the profiled steps, so that the
 wall time covers the kernels they queued.
@@ -75,7 +75,7 @@ def _in_an_op(event: FunctionEvent) -> bool:
 def _phase_totals_ms(events: list[FunctionEvent], time_of) -> dict[str, float]:
     """``time_of(event)`` in ms summed per phase over the host-side events; a scope of its own (e.g.
     "## forward ##") counts only through its ops, and device-side events only through the host op
-    that launched them (its device time)."""
+    that launched them (its time on the GPU)."""
     totals: dict[str, float] = {phase: 0.0 for phase, _ in PHASES} | {DENSE: 0.0}
     for event in events:
         if event.device_type != DeviceType.CPU:

@@ -246,3 +246,31 @@ def test_every_relative_link_resolves(doc):
 
 def test_the_readme_is_short():
     assert len(Path("README.md").read_text().splitlines()) <= 200
+
+
+# Text that tells how the project was developed rather than how to use it: the tracker's issue numbers (an
+# upstream reference names its repository, as torchrec#2394 does), work sessions, the machines it was built
+# on, and files outside the repository.
+DEVELOPMENT_HISTORY = re.compile(
+    r"\b(?:this\s+)?issues?\s+#?\d+|(?<![\w/.-])#\d+\b|\bthis issue\b|\bsessions?\b|\bdevice time\b"
+    r"|\bour machines?\b|\.\./shared|/work/",
+    flags=re.I,
+)
+PRODUCT_TEXT = [
+    Path("README.md"),
+    *sorted(Path("docs").glob("*.md")),
+    *sorted(Path("configs").rglob("*.yaml")),
+    *sorted(Path("app").rglob("*.py")),
+]
+
+
+def development_history(path: Path) -> list[str]:
+    """``path:line: text`` for each line of the file that speaks of how the project was developed."""
+    lines = path.read_text().splitlines()
+    return [f"{path}:{n}: {line.strip()}" for n, line in enumerate(lines, 1) if DEVELOPMENT_HISTORY.search(line)]
+
+
+def test_no_page_config_or_module_speaks_of_how_the_project_was_developed():
+    assert len(PRODUCT_TEXT) > 100
+    found = [hit for path in PRODUCT_TEXT for hit in development_history(path)]
+    assert not found, "development history in product text:\n" + "\n".join(found)
