@@ -95,6 +95,10 @@ def _parses(module: str, args: list[str]) -> None:
         from app.bench.quality_guard import build_parser as quality_guard_parser
 
         quality_guard_parser().parse_args(args)
+    elif module == "app.bench.gpu_report":
+        from app.bench.gpu_report import main as gpu_report_main
+
+        build_parser(gpu_report_main, module).parse_args(args)
     elif module == "app.quality":
         from app.quality.bench import quality_bench
 
