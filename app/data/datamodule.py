@@ -175,7 +175,6 @@ class CriteoDataModule(LightningDataModule):
         # The model's tables take these sizes (app.cli links them once this module exists); None with
         # `auto` until setup has read the training data (the model then builds its tables in its setup).
         self.table_sizes: list[int] | None = sizes_as_set(num_embeddings_per_feature)
-        self._sizes_setting = num_embeddings_per_feature
         if self.table_sizes is None and not (self.specs.get("train") or self.split):
             raise ValueError(f"{TABLE_SIZES_SETTING}: auto sizes the tables from the training data; set data.train or data.split")
 
@@ -285,7 +284,7 @@ class CriteoDataModule(LightningDataModule):
             for files in found.values():
                 self._check_threshold_applies(files)
         if any(files.format == "parquet" for files in found.values()):
-            check_list_settings(self.schema, self.frequency_threshold, self._sizes_setting)
+            check_list_settings(self.schema, self.frequency_threshold)
         return found
 
     def _convert(self, stage: str) -> None:

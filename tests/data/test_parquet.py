@@ -241,5 +241,9 @@ def test_a_list_column_reaches_the_model_as_a_jagged_feature_summed_per_row(tmp_
     assert torch.allclose(pooled, by_hand, atol=1e-6)
     with pytest.raises(ValueError, match=r"data.frequency_threshold = 3 does not apply to the list columns of data.schema \(recent_items\)"):
         CriteoDataModule(train=str(tmp_path / "train.parquet"), schema=schema, frequency_threshold=3).check_inputs("fit")
-    with pytest.raises(ValueError, match=r"auto does not count the ids of list columns \(recent_items\)"):
-        CriteoDataModule(train=str(tmp_path / "train.parquet"), schema=schema, num_embeddings_per_feature="auto").check_inputs("fit")
+    # auto: the distinct ids seen, those of the lists included (5, 1005, 7, 3, 2; 9 was cut), and the
+    # 0 that the feature's single-id column holds: a table of 6 rows.
+    sized = CriteoDataModule(train=str(tmp_path / "train.parquet"), schema=schema, num_embeddings_per_feature="auto",
+                             cache_dir=str(tmp_path / "cache"), cache_workers=1, batch_size=5)  # fmt: skip
+    sized.setup("fit")
+    assert sized.table_sizes[:2] == [3, 6]

@@ -126,9 +126,9 @@ class ParquetSchema:
         )
 
 
-def check_list_settings(schema: ParquetSchema, frequency_threshold: int, table_sizes: Any) -> None:
-    """Refuses the settings list columns do not support yet, naming them: their ids are hashed into
-    the table sizes given (neither counted for ``auto`` nor mapped by a vocabulary)."""
+def check_list_settings(schema: ParquetSchema, frequency_threshold: int) -> None:
+    """Refuses a frequency threshold with list columns, naming them: their ids are hashed into the
+    table sizes (``auto``: the distinct ids seen, as for raw ids), not mapped by a vocabulary."""
     names = [c.name for c in schema.categorical if c.max_length]
     if not names:
         return
@@ -136,9 +136,4 @@ def check_list_settings(schema: ParquetSchema, frequency_threshold: int, table_s
         raise ValueError(
             f"data.frequency_threshold = {frequency_threshold} does not apply to the list columns of data.schema "
             f"({', '.join(names)}): their ids are hashed into the table sizes; set data.frequency_threshold 0"
-        )
-    if table_sizes == "auto":
-        raise ValueError(
-            f"data.num_embeddings_per_feature: auto does not count the ids of list columns ({', '.join(names)}); "
-            "give the table sizes (one size, or one per table)"
         )

@@ -57,6 +57,7 @@ def convert_day(task: DayTask) -> DayResult:
             for j, (lengths_writer, ids_writer) in list_writers.items():
                 lengths_writer.write(arrays.lists[j][0])
                 ids_writer.write(arrays.lists[j][1].view(np.int32))  # raw 32-bit ids, stored as their bits
+                counter.add_feature_ids(j, arrays.lists[j][1])  # so that `auto` sizes the table by them too
             truncated_rows += getattr(arrays, "truncated_rows", 0)
             positives += int(np.count_nonzero(arrays.labels == 1))
             labelled = labelled and not (len(arrays) and arrays.labels[0] == -1)

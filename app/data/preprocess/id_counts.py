@@ -112,6 +112,14 @@ class DistinctIds:
             if self._pending_ids[j] >= max(self.ids[j].size, 1 << 20):
                 self._merge(j)
 
+    def add_feature_ids(self, feature: int, ids: np.ndarray) -> None:
+        """Add raw ids of one feature beside the rows' (a Parquet list column's ids, any number a row)."""
+        distinct = np.unique(np.asarray(ids, dtype=np.uint32))
+        self._pending[feature].append(distinct)
+        self._pending_ids[feature] += distinct.size
+        if self._pending_ids[feature] >= max(self.ids[feature].size, 1 << 20):
+            self._merge(feature)
+
     def _merge(self, j: int) -> None:
         if self._pending[j]:
             self.ids[j] = np.unique(np.concatenate([self.ids[j], *self._pending[j]]))
