@@ -257,7 +257,7 @@ def test_the_readme_is_short():
 # on, and files outside the repository.
 DEVELOPMENT_HISTORY = re.compile(
     r"\b(?:this\s+)?issues?\s+#?\d+|(?<![\w/.-])#\d+\b|\bthis issue\b|\bsessions?\b|\bdevice time\b"
-    r"|\bour machines?\b|\.\./shared|/work/",
+    r"|\bour machines?\b|\bproject's (?:development )?machines?\b|\.\./shared|/work/",
     flags=re.I,
 )
 PRODUCT_TEXT = [
@@ -278,3 +278,41 @@ def test_no_page_config_or_module_speaks_of_how_the_project_was_developed():
     assert len(PRODUCT_TEXT) > 100
     found = [hit for path in PRODUCT_TEXT for hit in development_history(path)]
     assert not found, "development history in product text:\n" + "\n".join(found)
+
+
+def test_every_page_is_short_enough_to_read():
+    long_pages = {str(doc): n for doc in DOCS if (n := len(doc.read_text().splitlines())) > 300}
+    assert not long_pages, f"pages over 300 lines: {long_pages}"
+    assert len(Path("README.md").read_text().splitlines()) <= 150
+
+
+# A figure quoted on several pages carries the same marker next to its value everywhere: the page that
+# states it with its date, device and command, and every quote of it.
+FIGURE = re.compile(r"<!-- figure: (\w+) = ([^>]+?) -->")
+
+
+def figures(docs: list[Path]) -> dict[str, dict[str, str]]:
+    """Per figure name, the value each doc gives it; a doc giving one name two values is an error."""
+    found: dict[str, dict[str, str]] = {}
+    for doc in docs:
+        for name, value in FIGURE.findall(doc.read_text()):
+            assert found.setdefault(name, {}).setdefault(str(doc), value) == value, f"{doc}: figure {name} given twice"
+    return found
+
+
+def test_a_figure_quoted_twice_agrees_with_its_source():
+    found = figures(DOCS)
+    assert {"demo_val_auc", "cpu_bf16_ratio", "h200_ratio"} <= set(found)
+    disagree = {name: by_doc for name, by_doc in found.items() if len(set(by_doc.values())) > 1}
+    assert not disagree, f"figures quoted with another value than their source's: {disagree}"
+    # The README only quotes: each of its figures has a source page under docs/.
+    unsourced = [name for name, by_doc in found.items() if set(by_doc) == {"README.md"}]
+    assert not unsourced, f"README.md quotes figures no page states: {unsourced}"
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=str)
+def test_a_marked_figure_is_the_value_written_beside_it(doc):
+    text = doc.read_text()
+    for marker in FIGURE.finditer(text):
+        after = text[marker.end() : marker.end() + 400]
+        assert marker.group(2) in after, f"{doc}: figure {marker.group(1)} = {marker.group(2)} is not what the text beside it says"
