@@ -5,6 +5,7 @@ folder ``.NAME.<token>`` beside it, which holds:
 
     .metadata, __<rank>_0.distcp   every rank's shards of the model and optimizer state (DCP)
     writer.json                    who writes it (host, pid, SLURM job), written first, by rank 0
+    checksums.<rank>.json          the CRC-32 of each rank's shard files (app/checkpoint/checksums.py)
     vocabulary/                    data.frequency_threshold's vocabulary, when the run had one
                                    (app/checkpoint/vocabulary.py)
     meta.json                      plain data: loops, callbacks, hyper-parameters, the sharding
@@ -43,6 +44,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torchrec.distributed.types import ShardingPlan
 
+from app.checkpoint.checksums import verify_checksums, write_rank_checksums
 from app.checkpoint.plan_json import plan_from_json, plan_to_json
 from app.checkpoint.reshard import load_resharded
 from app.checkpoint.vocabulary import load_vocabulary, save_vocabulary, trained_threshold
@@ -108,7 +110,10 @@ def save(
     dcp.save(
         tensors, storage_writer=dcp.FileSystemWriter(folder), process_group=collectives.checkpoint_process_group
     )
-    collectives.barrier()  # every rank's shards are on disk
+    # DCP names a rank's files by its rank in the group it saved through.
+    group_rank = dist.get_rank(collectives.checkpoint_process_group) if dist.is_initialized() else 0
+    write_rank_checksums(folder, group_rank)
+    collectives.barrier()  # every rank's shards and their checksums are on disk
     if collectives.is_global_zero:
         meta = {key: value for key, value in checkpoint.items() if key not in _TENSOR_KEYS}
         meta = save_vocabulary(meta, folder)  # its arrays as files beside meta.json, a reference in it
@@ -271,6 +276,7 @@ def read(path: str | os.PathLike, module: nn.Module | None = None) -> Checkpoint
     meta = load_vocabulary(meta, folder, path)
     index = _read_dcp_index(path, folder)
     _check_shard_files(path, folder, index)
+    verify_checksums(path, folder)  # before any weight is used
     if module is not None:
         check_fits_model(path, index, meta, module)
     return CheckpointInfo(

@@ -31,7 +31,9 @@ from pathlib import Path
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from app.checkpoint.checksums import DamagedCheckpointError
 from app.checkpoint.format import META_FILE
+from app.checkpoint.format import read as read_checkpoint
 
 CHECKPOINTS_FOLDER = "checkpoints"  # <default_root_dir>/checkpoints: the checkpoint group's folder unless dirpath is set
 LAST = "last"  # the ckpt_path value resolved here
@@ -146,11 +148,33 @@ def last_checkpoint(checkpoint_dir: str, fitting: bool) -> str | None:
     last = Path(checkpoint_dir) / LAST_FILE
     # lexists: a link to a folder that is gone is an error when it is read, not a reason to start afresh.
     if os.path.lexists(last):
-        return str(last)
+        return _intact_or_newest_intact(last)
     if not fitting:
         raise FileNotFoundError(f"ckpt_path {LAST}: there is no {last}; give a checkpoint's path, or train with fit first")
     rank_zero_warn(f"ckpt_path {LAST}: there is no {last} yet, so fit starts from scratch (a first start)")
     return None
+
+
+def _intact_or_newest_intact(last: Path) -> str:
+    """``last`` unless a checksum shows it damaged; then the newest intact checkpoint beside it, with a
+    warning naming both (never a damaged one: a FileNotFoundError when none is intact). Other faults
+    (an incomplete or missing folder) are left to the load, which names them."""
+    try:
+        read_checkpoint(last)
+        return str(last)
+    except DamagedCheckpointError as damage:
+        reason = str(damage)
+    except ValueError:
+        return str(last)
+    others = [p for p in last.parent.glob("*.ckpt") if p.name != last.name and p.resolve() != last.resolve()]
+    for candidate in sorted(others, key=lambda p: p.resolve().stat().st_mtime if p.exists() else 0, reverse=True):
+        try:
+            read_checkpoint(candidate)
+        except ValueError:
+            continue
+        rank_zero_warn(f"{reason}; {LAST} falls back to {candidate}, the newest intact checkpoint of the run")
+        return str(candidate)
+    raise FileNotFoundError(f"{reason}, and no other checkpoint in {last.parent} is intact")
 
 
 def checkpoint_run_folder(ckpt_path: str | None) -> str | None:

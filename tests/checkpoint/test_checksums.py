@@ -1,0 +1,63 @@
+"""A checkpoint proves it is intact: every rank records its shards' CRC-32, every reader checks them
+before any weight is used, and ``--ckpt_path last`` falls back to the newest intact checkpoint."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from app.checkpoint.checksums import DamagedCheckpointError
+from app.checkpoint.format import read as read_checkpoint
+from app.checkpoint.run_folder import last_checkpoint
+from app.cli import cli_main
+from tests.reshard_runs import eval_args
+
+FLIPPED_BYTES = 4096
+
+
+def _copy_checkpoints(checkpoint_writer, tmp_path: Path) -> Path:
+    """The writer run's checkpoints (step=8, step=16) copied as plain folders, with ``last.ckpt`` = step 16."""
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for name in ("step=8.ckpt", "step=16.ckpt"):  # oldest first: their times order them as the run did
+        shutil.copytree(checkpoint_writer["root"] / "checkpoints" / name, folder / name, symlinks=False)
+    shutil.copytree(folder / "step=16.ckpt", folder / "last.ckpt")
+    return folder
+
+
+def _flip(shard: Path) -> None:
+    """Inverts 4 KiB in the middle of ``shard`` without changing its size."""
+    data = bytearray(shard.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + FLIPPED_BYTES] = bytes(b ^ 0xFF for b in data[middle : middle + FLIPPED_BYTES])
+    shard.write_bytes(bytes(data))
+
+
+def test_every_rank_records_its_shards_and_an_intact_copy_reads(checkpoint_writer, tmp_path):
+    folder = _copy_checkpoints(checkpoint_writer, tmp_path)
+    recorded = sorted(path.name for path in (folder / "step=16.ckpt").glob("checksums.*.json"))
+    assert recorded == ["checksums.0.json", "checksums.1.json"]
+    read_checkpoint(folder / "step=16.ckpt")  # no error
+
+
+def test_a_flipped_shard_is_refused_naming_it_and_last_falls_back(checkpoint_writer, sample, tmp_path, capsys):
+    folder = _copy_checkpoints(checkpoint_writer, tmp_path)
+    _flip(folder / "last.ckpt" / "__1_0.distcp")
+    with pytest.raises(DamagedCheckpointError, match=r"last.ckpt: shard file __1_0.distcp is damaged"):
+        read_checkpoint(folder / "last.ckpt")
+    # The CLI reads the checkpoint before any worker starts: one line, no traceback.
+    args = eval_args(sample, tmp_path / "eval", "validate", 2, folder / "last.ckpt", [])
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(args)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "shard file __1_0.distcp is damaged" in err and "Traceback" not in err
+    with pytest.warns(UserWarning, match=r"is damaged.*; last falls back to .*step=16.ckpt, the newest intact"):
+        assert last_checkpoint(str(folder), fitting=True) == str(folder / "step=16.ckpt")
+    _flip(folder / "step=16.ckpt" / "__0_0.distcp")
+    with pytest.warns(UserWarning, match=r"last falls back to .*step=8.ckpt"):
+        assert last_checkpoint(str(folder), fitting=True) == str(folder / "step=8.ckpt")
+    _flip(folder / "step=8.ckpt" / ".metadata")
+    with pytest.raises(FileNotFoundError, match="no other checkpoint in .* is intact"):
+        last_checkpoint(str(folder), fitting=False)
