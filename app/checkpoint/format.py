@@ -400,7 +400,8 @@ def load_sharded_state(
         )
     else:
         tensors: dict[str, Any] = {"state_dict": module.state_dict()}
-        if optimizers:
+        # Plain SGD keeps no tensors (no momentum): its checkpoint then has no optimizer entries for DCP to load.
+        if optimizers and any(key.startswith("optimizer_states") for key in info.index.state_dict_metadata):
             for optimizer in optimizers:
                 optimizer.init_state()  # fused optimizer state is lazy: give DCP tensors to load into
             tensors["optimizer_states"] = [optimizer.state_dict() for optimizer in optimizers]

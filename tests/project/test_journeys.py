@@ -104,11 +104,6 @@ def terabyte_days(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the resume step fails: a run with terabyte_dlrm.yaml's SGD optimizers resumed with --ckpt_path last "
-    "stops with 'Missing key in checkpoint state_dict: optimizer_states' (SGD keeps no state)",
-)
 def test_the_terabyte_tutorial_runs_scaled_down(terabyte_days):
     page = REPO / "docs" / "criteo-terabyte.md"
     commands = shell_commands(page, "## 1. Get the data")
