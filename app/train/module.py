@@ -41,6 +41,7 @@ from app.train.optimizers import (
     SparseOptimizer,
     WeightDecayModeName,
     build_optimizer,
+    check_learning_rates,
     check_optimizer_names,
     check_sparse_weight_decay_device,
     check_weight_decay,
@@ -190,6 +191,7 @@ class DLRMModule(LightningModule):
         super().__init__()
         self.save_hyperparameters()
         check_optimizer_names(sparse_optimizer, dense_optimizer)
+        check_learning_rates(sparse_learning_rate, dense_learning_rate)
         check_weight_decay(
             sparse_optimizer, sparse_weight_decay, sparse_weight_decay_mode,
             dense_optimizer, dense_weight_decay, dense_weight_decay_mode,

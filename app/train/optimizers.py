@@ -131,6 +131,15 @@ _DENSE_WEIGHT_DECAY_MODES: dict[str, tuple[str, ...]] = {
 }
 
 
+def check_learning_rates(sparse_learning_rate: float, dense_learning_rate: float) -> None:
+    """Raises a ValueError naming ``model.sparse_learning_rate`` or ``model.dense_learning_rate`` when it is
+    not a finite number > 0 (torch's own message, "Invalid learning rate", names no setting, and FBGEMM's
+    kernels take a negative rate without a word)."""
+    for setting, value in (("model.sparse_learning_rate", sparse_learning_rate), ("model.dense_learning_rate", dense_learning_rate)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{setting} = {value} must be a number > 0")
+
+
 def check_weight_decay(
     sparse_optimizer: str,
     sparse_weight_decay: float,
