@@ -28,11 +28,10 @@ from typing import Any
 import torch
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 
-from app.checkpoint.export import EXPORT_FORMAT, is_exported_model, read_model_tensors
-from app.checkpoint.format import read as read_checkpoint
+from app.checkpoint.export import read_model_tensors
+from app.checkpoint.saved_model import read_saved_model
 from app.checkpoint.serving_graph import MIN_QUANTIZED_ROWS, IdMapping, RowWiseInt8, ServingDLRM
 from app.checkpoint.serving_runtime import CONTRACT_FORMAT, DENSE_INPUT, SPARSE_INPUT, contract_path
-from app.checkpoint.vocabulary import data_module_state
 from app.criteo import DENSE_NAMES, NUM_DENSE, NUM_SPARSE, SPARSE_NAMES
 from app.model.dlrm import build_dlrm, build_dlrm_arguments, table_name
 
@@ -58,19 +57,12 @@ class SavedWeights:
 
 def read_saved_weights(source: Path) -> SavedWeights:
     """The model's settings, tensors and vocabulary from a checkpoint folder or a ``python -m app export`` file."""
-    if is_exported_model(source):
-        try:
-            contents = torch.load(source, map_location="cpu", weights_only=True)
-        except Exception as error:  # a truncated file, or not a torch file at all
-            raise ValueError(f"ckpt_path {source} is not a model file from `python -m app export` ({type(error).__name__})") from None
-        if not isinstance(contents, dict) or contents.get("format") != EXPORT_FORMAT:
-            raise ValueError(f"ckpt_path {source} is not a model file from `python -m app export` (no format {EXPORT_FORMAT!r})")
-        hyper_parameters, state_dict = contents.get("hyper_parameters") or {}, contents["state_dict"]
-        data_state = data_module_state(contents)
+    saved = read_saved_model(source)  # either kind, checked; a ValueError naming the path if neither
+    if saved.info is None:  # an exported file
+        state_dict = torch.load(source, map_location="cpu", weights_only=True, mmap=True)["state_dict"]
     else:
-        info = read_checkpoint(source)  # complete and readable, or a ValueError naming the path
-        hyper_parameters, data_state = info.meta.get("hyper_parameters") or {}, data_module_state(info.meta)
-        state_dict = read_model_tensors(info.path)
+        state_dict = read_model_tensors(saved.info.path)
+    hyper_parameters, data_state = saved.hyper_parameters, saved.data_state
     threshold = int(data_state.get("frequency_threshold", 0))
     vocabulary = data_state.get("vocabulary") if threshold else None
     ids = None

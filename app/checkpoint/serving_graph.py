@@ -25,11 +25,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from app.data.preprocess import FIRST_CONTIGUOUS_ID
+from app.data.preprocess import RARE_ID as OUT_OF_VOCABULARY_ID  # the data road's mapping, exactly
 from app.model.dlrm import Float32Linear, pairwise_dot_sum
-
-# The vocabulary's convention (app/data/preprocess/vocabulary.py): kept ids from 2, the rest 1.
-FIRST_CONTIGUOUS_ID = 2
-OUT_OF_VOCABULARY_ID = 1
 # A table with fewer rows stays float32 in an INT8 export: at most 256 x D x 4 bytes (64 KiB at D = 64),
 # little beside the compiled code (0.5 to 0.8 MB), and such a table's rows are each looked up often, so
 # keeping them exact costs no size worth saving.

@@ -35,8 +35,7 @@ from app.data.numpy_days import NumpyDaysSource
 from app.data.parquet.groups import split_groups
 from app.data.parquet.jagged_source import JaggedDaysSource
 from app.data.parquet.keys import check_key_columns, read_key_columns
-from app.data.parquet.schema import check_list_settings
-from app.data.parquet.schema import ParquetSchema
+from app.data.parquet.schema import ParquetSchema, check_list_settings
 from app.data.preprocess import RAW_IDS, Vocabulary
 from app.data.source import RowSource
 from app.data.splits import SPLITS_BY_STAGE, SplitFiles, SplitName, part_rows, split_files

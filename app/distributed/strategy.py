@@ -163,7 +163,9 @@ class TorchRecStrategy(ParallelStrategy):
         # (path, metadata) of the checkpoint being loaded: read once, for the plan and for the load.
         self._checkpoint_read: tuple[str, CheckpointInfo] | None = None
         self._run_lock: RunFolderLock | None = None  # held by global rank 0 while fitting
-        self._step_calls_model_of: tuple[Any, bool] | None = None  # (module, whether it is a StepCallsModel)
+        # Whether the connected module declares a pipelined step (StepCallsModel), asked once in `connect`:
+        # a runtime-checkable Protocol's isinstance walks its members (tens of microseconds a training step).
+        self._module_may_call_model = False
 
     # ---- processes -------------------------------------------------------------------------
 
@@ -410,19 +412,16 @@ class TorchRecStrategy(ParallelStrategy):
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
-        if self._declares_step_calls_model(module) and module.training_step_calls_model:
+        if self._module_may_call_model and module.training_step_calls_model:
             # A pipelined step (app.train.pipeline) calls the DMP once per batch itself; routing the step
             # through the DMP as well would nest two forwards of the DDP around the dense part. It enters
             # the precision's context around its forward alone, not around the backward it also runs.
             return module.training_step(*args, **kwargs)
         return super().training_step(*args, **kwargs)
 
-    def _declares_step_calls_model(self, module: Any) -> bool:
-        # What the module's class declares, asked once per module: a runtime-checkable Protocol's
-        # isinstance walks its members on every call (tens of microseconds, on every training step).
-        if self._step_calls_model_of is None or self._step_calls_model_of[0] is not module:
-            self._step_calls_model_of = (module, isinstance(module, StepCallsModel))
-        return self._step_calls_model_of[1]
+    def connect(self, model: LightningModule) -> None:
+        super().connect(model)
+        self._module_may_call_model = isinstance(model, StepCallsModel)
 
     def model_to_device(self) -> None:
         pass  # DMP places every shard and the dense part itself; a .to() would undo the sharding

@@ -255,7 +255,9 @@ class GroupAUC(Metric):
     """GAUC (per-group AUC, e.g. per user; :func:`group_auc`), exact across ranks: every rank keeps its
     rows' predictions, labels and group ids, and compute gathers them all, so a group whose rows sit
     on several ranks counts as one group. States live in host memory (``compute_on_cpu``) like the
-    exact AUC's; 20 bytes per row (float32 prediction, int64 label and group)."""
+    exact AUC's; 20 bytes per row (float32 prediction, int64 label and group). Written here because
+    torchmetrics' per-group AUC (``RetrievalAUROC``) averages the groups unweighted, and GAUC weights
+    each group by its rows."""
 
     is_differentiable = False
     higher_is_better = True

@@ -108,9 +108,7 @@ def pipeline_class(name: str) -> type[TrainPipelineSparseDist]:
 def resolve_pipeline(name: str, device: torch.device, world_size: int) -> str:
     """The pipeline ``auto`` stands for on ``device`` with ``world_size`` processes: sparse_dist
     wherever there is something to overlap (GPUs; CPU with an input all-to-all), else none."""
-    check_pipeline_device(name, device.type)
-    if name in PIPELINE_CLASSES:
-        pipeline_class(name)  # at set-up, not at the first step: older TorchRec may lack it
+    check_pipeline_device(name, device.type)  # whether the installed TorchRec has it: check_pipeline, at __init__
     if name != "auto":
         return name
     # GPUs: the input all-to-all and host-to-device copies run on their own streams, hidden behind

@@ -33,9 +33,9 @@ class GroupedArrays(CriteoArrays):
     truncated_rows: int = 0  # rows whose list was longer than its max_length, cut
 
 
-GROUPS_FILE = "groups.npy"
+GROUPS_FILE = "groups.npy"  # day_N_groups.npy beside a day's files, with the schema's group column
 LIST_LENGTHS_FILE = "list_{}_lengths.npy"  # day_N_list_<feature index>_lengths.npy: ids per row, int32
-LIST_IDS_FILE = "list_{}_ids.npy"  # day_N_list_<feature index>_ids.npy: the rows' ids one after another, int32  # day_N_groups.npy beside a day's files, with the schema's group column
+LIST_IDS_FILE = "list_{}_ids.npy"  # day_N_list_<feature index>_ids.npy: the rows' ids one after another, int32
 BYTES_PER_ROW_ESTIMATE = 256  # chunk rows = the preprocessor's block bytes / this
 _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 _FNV_PRIME = np.uint64(0x100000001B3)

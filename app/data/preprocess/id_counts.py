@@ -106,19 +106,17 @@ class DistinctIds:
         first[:, 0] = True
         np.not_equal(columns[:, 1:], columns[:, :-1], out=first[:, 1:])
         for j in range(NUM_SPARSE):
-            distinct = columns[j][first[j]]
-            self._pending[j].append(distinct)
-            self._pending_ids[j] += distinct.size
-            if self._pending_ids[j] >= max(self.ids[j].size, 1 << 20):
-                self._merge(j)
+            self._add_distinct(j, columns[j][first[j]])
 
     def add_feature_ids(self, feature: int, ids: np.ndarray) -> None:
         """Add raw ids of one feature beside the rows' (a Parquet list column's ids, any number a row)."""
-        distinct = np.unique(np.asarray(ids, dtype=np.uint32))
-        self._pending[feature].append(distinct)
-        self._pending_ids[feature] += distinct.size
-        if self._pending_ids[feature] >= max(self.ids[feature].size, 1 << 20):
-            self._merge(feature)
+        self._add_distinct(feature, np.unique(np.asarray(ids, dtype=np.uint32)))
+
+    def _add_distinct(self, j: int, distinct: np.ndarray) -> None:
+        self._pending[j].append(distinct)
+        self._pending_ids[j] += distinct.size
+        if self._pending_ids[j] >= max(self.ids[j].size, 1 << 20):
+            self._merge(j)
 
     def _merge(self, j: int) -> None:
         if self._pending[j]:
