@@ -110,7 +110,14 @@ def complete_checkpoint_in(folder: Path) -> Path | None:
 def _launcher_decision(root: str) -> str | None:
     """The folder the process that started this one chose for ``root`` (Lightning's launcher: this process's
     parent, parsing the same command line); None elsewhere: a first process, torchrun's or SLURM's ranks,
-    or a variable left by an earlier run."""
+    or a variable left by an earlier run.
+
+    A rank the launcher started has ``LOCAL_RANK`` > 0 in its environment (Lightning's subprocess launcher
+    sets it); without that test, a process started by one that parsed a ``fit`` in-process and launched
+    no ranks (a notebook, a test runner) would take that stale choice as its own while its ranks chose
+    for themselves."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        return None
     try:
         decision = json.loads(os.environ.get(RUN_FOLDER_VARIABLE, ""))
     except json.JSONDecodeError:

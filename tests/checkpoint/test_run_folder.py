@@ -203,14 +203,23 @@ def test_ranks_that_chose_different_run_folders_all_stop_with_the_same_line(samp
 CHILD = "import sys; from app.checkpoint.run_folder import fit_run_folder; print(fit_run_folder(sys.argv[1], None, None))"
 
 
-@pytest.mark.parametrize("chosen_by", ["the_parent", "another_process"])
-def test_a_rank_started_by_the_launching_process_takes_its_choice(chosen_by, tmp_path, monkeypatch):
-    """Lightning's launcher starts the other local ranks after the first one parsed, with its environment."""
+@pytest.mark.parametrize(
+    ("chosen_by", "local_rank", "inherits"),
+    [("the_parent", "1", True), ("another_process", "1", False), ("the_parent", None, False), ("the_parent", "0", False)],
+)
+def test_a_rank_started_by_the_launching_process_takes_its_choice(chosen_by, local_rank, inherits, tmp_path, monkeypatch):
+    """Lightning's launcher starts the other local ranks (LOCAL_RANK > 0) after the first one parsed, with its
+    environment; a first process whose parent parsed a fit in-process (a notebook, a test runner) chooses
+    for itself."""
     asked = str(tmp_path / "run")
     other = subprocess.Popen([sys.executable, "-c", "pass"])
     other.wait()  # a variable left by a process that is no one's parent here (an earlier run, a shell's)
     pid = os.getpid() if chosen_by == "the_parent" else other.pid
     monkeypatch.setenv(RUN_FOLDER_VARIABLE, json.dumps({"pid": pid, "asked": asked, "root": f"{asked}-7"}))
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
     child = subprocess.run([sys.executable, "-c", CHILD, asked], capture_output=True, text=True, cwd=REPO, check=True)
-    assert child.stdout.strip() == (f"{asked}-7" if chosen_by == "the_parent" else asked)
+    assert child.stdout.strip() == (f"{asked}-7" if inherits else asked)
     assert fit_run_folder(asked, None, None) == asked  # this process chooses for itself: nothing to continue here
