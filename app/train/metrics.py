@@ -115,6 +115,14 @@ class BinnedAUROC(BinaryAUROC):
         self.confmat += torch.stack([torch.stack([tn, fp], -1), torch.stack([fn, tp], -1)], -2)
 
 
+class BinnedAveragePrecision(BinaryAveragePrecision):
+    """torchmetrics' binned ``BinaryAveragePrecision(thresholds=T)`` (the area under the precision-recall
+    curve) counted by :class:`BinnedAUROC`'s update: the same table of counts, so a collection keeps
+    one table for both."""
+
+    update = BinnedAUROC.update
+
+
 class BinnedAUCMaxError(BinnedAUROC):
     """The most the binned AUC of the same predictions can differ from their exact AUC.
 
@@ -139,11 +147,13 @@ def _gather_on_host(tensor: torch.Tensor, group: Any = None) -> list[torch.Tenso
 
 
 def build_eval_metrics(prefix: str, mode: EvalMetrics = "exact", auc_num_thresholds: int = 10_000) -> MetricCollection:
-    """The metrics logged for one split: auc, logloss, ne, calibration, accuracy (+ auc_max_error when binned)."""
+    """The metrics logged for one split: auc, pr_auc, logloss, ne, calibration, accuracy (+ auc_max_error
+    when binned). The AUC and the precision-recall AUC read the same state (the collection's compute
+    group): one copy of the predictions (exact) or of the table of counts (binned)."""
     if mode == "exact":
         # Keeps every prediction in host memory and gathers them across ranks: for eval sets that fit there.
         exact = BinaryAUROC(compute_on_cpu=True, dist_sync_fn=_gather_on_host, validate_args=False)
-        auc: dict[str, Metric] = {"auc": exact}
+        auc: dict[str, Metric] = {"auc": exact, "pr_auc": precision_recall_auc()}
     elif mode == "binned":
         if auc_num_thresholds < 2:
             raise ValueError(f"model.auc_num_thresholds = {auc_num_thresholds}: needs at least 2 thresholds")
@@ -151,6 +161,7 @@ def build_eval_metrics(prefix: str, mode: EvalMetrics = "exact", auc_num_thresho
         auc = {
             "auc": BinnedAUROC(thresholds=auc_num_thresholds),
             "auc_max_error": BinnedAUCMaxError(thresholds=auc_num_thresholds),
+            "pr_auc": BinnedAveragePrecision(thresholds=auc_num_thresholds),
         }
     else:
         raise ValueError(f"model.eval_metrics = {mode!r}: use exact or binned")

@@ -130,7 +130,7 @@ def test_checkpoint_holds_every_ranks_shards_and_restores_exactly(trained):
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "meta.json", "vocabulary"} <= {p.name for p in checkpoint.iterdir()}
 
     last_fit_validation = [row for row in _metrics(root) if row.get("val/auc")][-1]
-    names = ("auc", "logloss", "ne", "calibration", "accuracy")
+    names = ("auc", "pr_auc", "logloss", "ne", "calibration", "accuracy")
     # validate and test (data.test is the validation file here) from the checkpoint, each logging to
     # its own folder: the restored model must score exactly, to the last bit, what the trained one did.
     for subcommand in ("validate", "test"):

@@ -153,3 +153,5 @@ def test_validation_logs_the_gauc_of_the_parquet_group_column_over_2_ranks(tmp_p
     assert np.array_equal(result["groups"], USERS)
     expected = direct_gauc(result["p"][order].astype(np.float64), result["y"][order], USERS)
     assert result["logged"]["val/gauc"] == pytest.approx(expected, abs=1e-6)
+    # The precision-recall AUC logged beside it: of every row, gathered from both ranks.
+    assert result["logged"]["val/pr_auc"] == pytest.approx(direct_average_precision(result["p"][order], result["y"][order]), abs=1e-6)

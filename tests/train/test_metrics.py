@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from torchmetrics.classification import BinaryAUROC
+from torchmetrics.classification import BinaryAUROC, BinaryAveragePrecision
 
 from app.data.synthetic import rank_auc, write_synthetic_criteo
 from app.data.batches import PADDING_ROW_ID
@@ -40,6 +40,11 @@ def test_binned_auc_counts_exactly_what_torchmetrics_counts():
         theirs.update(probabilities[part::2], labels[part::2])
     assert torch.equal(ours.confmat, theirs.confmat)
     assert float(ours.compute()) == float(theirs.compute())
+    # The binned precision-recall AUC: torchmetrics' binned average precision of the same table.
+    binned = build_eval_metrics("val/", "binned", 101)
+    for part in range(2):
+        binned.update(probabilities[part::2], labels[part::2])
+    assert float(binned.compute()["val/pr_auc"]) == float(BinaryAveragePrecision(thresholds=101)(probabilities, labels))
 
 
 @pytest.mark.parametrize(
@@ -179,10 +184,15 @@ def test_only_the_exact_auc_keeps_its_states_in_host_memory():
     metrics = build_eval_metrics("val/", "exact")
     probabilities, labels = _predictions(1_000)
     metrics.update(probabilities, labels)
+    metrics.update(probabilities, labels)
     # On a GPU torchmetrics moves list states to the host after every update (compute_on_cpu).
     assert metrics["auc"].compute_on_cpu and {t.device.type for t in metrics["auc"].preds} == {"cpu"}
-    assert not any(m.compute_on_cpu for name, m in metrics.items(keep_base=True) if name != "auc")
-    # A sync_exact_auc_through group goes to the exact AUC only: the running sums sync as before.
+    on_host = ["auc", "pr_auc"]
+    assert not any(m.compute_on_cpu for name, m in metrics.items(keep_base=True) if name not in on_host)
+    # The precision-recall AUC reads the AUC's predictions: one copy of them, not two.
+    auc, pr_auc = (metrics.__getitem__(name, copy_state=False) for name in on_host)
+    assert [t.data_ptr() for t in pr_auc.preds] == [t.data_ptr() for t in auc.preds]
+    # A sync_exact_auc_through group goes to the exact AUCs only: the running sums sync as before.
     marker = object()
     sync_exact_auc_through(metrics, marker)
-    assert [name for name, m in metrics.items(keep_base=True) if m.process_group is marker] == ["auc"]
+    assert [name for name, m in metrics.items(keep_base=True) if m.process_group is marker] == on_host
