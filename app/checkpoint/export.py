@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from app.checkpoint.best import BEST, find_best_checkpoint
 from app.checkpoint.format import SafeFileSystemReader
 from app.checkpoint.format import read as read_checkpoint
-from app.checkpoint.vocabulary import exported_vocabulary
+from app.checkpoint.vocabulary import exported_data_state
 
 EXPORT_FORMAT = "app.export/1"
 _MODEL_PREFIX = "state_dict."
@@ -120,7 +120,7 @@ def export_checkpoint(
         "pytorch-lightning_version": lightning.__version__,
         "hyper_parameters": plain_hyper_parameters(hyper_parameters, source),
         "state_dict": state_dict,
-        **exported_vocabulary(info.meta),  # predict from this file maps ids as training did
+        **exported_data_state(info.meta),  # predict from this file maps ids as training did; the layout for pt2
     }
     target = Path(output).expanduser()
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """What a checkpoint (or an exported model file) says about the model it holds, read once per load.
 
 A checkpoint carries its model: the module's hyper-parameters (the table sizes among them) and the
-data module's state (``data.frequency_threshold`` and its vocabulary). ``validate``, ``test``,
+data module's state (``data.frequency_threshold`` and its vocabulary, and the layout of the data it
+was trained on: the features and how each was made, app/data/layout.py). ``validate``, ``test``,
 ``predict``, ``export`` and a resumed ``fit`` take them from here, so that none of them reads the
 training data again to learn sizes and a vocabulary the checkpoint already holds (app/cli.py applies
 them to the run's settings before anything is built).
@@ -20,6 +21,7 @@ from app.checkpoint.export import EXPORT_FORMAT, is_exported_model
 from app.checkpoint.format import CheckpointInfo
 from app.checkpoint.format import read as read_checkpoint
 from app.checkpoint.vocabulary import data_module_state
+from app.data.layout import saved_layout
 
 
 @dataclass(frozen=True)
@@ -28,12 +30,18 @@ class SavedModel:
 
     path: str  # as given
     hyper_parameters: dict[str, Any]  # the LightningModule's __init__ arguments
-    data_state: dict[str, Any] = field(default_factory=dict)  # the data module's: threshold and vocabulary
+    data_state: dict[str, Any] = field(default_factory=dict)  # the data module's: threshold, vocabulary, layout
     info: CheckpointInfo | None = None  # a sharded checkpoint's metadata (None: an exported file)
 
     @property
     def frequency_threshold(self) -> int:
         return int(self.data_state.get("frequency_threshold", 0))
+
+    @property
+    def data_layout(self) -> dict[str, Any]:
+        """The features the model was trained on and how each was made (Criteo's TSV layout for a
+        checkpoint that does not record one)."""
+        return saved_layout(self.data_state)
 
 
 def read_saved_model(path: str | os.PathLike) -> SavedModel:

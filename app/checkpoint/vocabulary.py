@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from app.data.layout import DATA_LAYOUT_KEY
 from app.data.preprocess import Vocabulary
 
 VOCABULARY_FOLDER = "vocabulary"
@@ -56,14 +57,22 @@ def load_vocabulary(meta: dict[str, Any], folder: Path, path: Any) -> dict[str, 
     return meta
 
 
-def exported_vocabulary(meta: dict[str, Any]) -> dict[str, Any]:
-    """The checkpoint entries holding a vocabulary, in an exported file's form (plain data and tensors)."""
+def exported_data_state(meta: dict[str, Any]) -> dict[str, Any]:
+    """The data module's checkpoint entry (its threshold and vocabulary, its training data's layout), in an
+    exported file's form (plain data and tensors)."""
     exported = {}
-    for key in _states_with_vocabulary(meta):
-        vocabulary = meta[key]["vocabulary"]
-        plain = vocabulary.to_plain() if isinstance(vocabulary, Vocabulary) else vocabulary
-        exported[key] = dict(meta[key], vocabulary=plain)
+    for key, state in meta.items():
+        if not (isinstance(state, dict) and _is_data_module_state(state)):
+            continue
+        exported[key] = dict(state)
+        vocabulary = state.get("vocabulary")
+        if isinstance(vocabulary, Vocabulary):
+            exported[key]["vocabulary"] = vocabulary.to_plain()
     return exported
+
+
+def _is_data_module_state(state: dict[str, Any]) -> bool:
+    return "frequency_threshold" in state or DATA_LAYOUT_KEY in state
 
 
 def trained_threshold(meta: dict[str, Any]) -> int:
@@ -74,9 +83,10 @@ def trained_threshold(meta: dict[str, Any]) -> int:
 
 def data_module_state(contents: dict[str, Any]) -> dict[str, Any]:
     """The data module's checkpoint state in a checkpoint's metadata or an exported file (Lightning keeps
-    it under the module's class name): ``{"frequency_threshold": T, "vocabulary": ...}``, or {} when the
-    run had no threshold."""
+    it under the module's class name): ``{"frequency_threshold": T, "vocabulary": ..., "data_layout": ...}``
+    (the threshold and vocabulary only with a threshold; the layout only in checkpoints that record it),
+    or {} when there is neither."""
     for value in contents.values():
-        if isinstance(value, dict) and "frequency_threshold" in value:
+        if isinstance(value, dict) and _is_data_module_state(value):
             return value
     return {}

@@ -29,6 +29,7 @@ from app.data.cache import CacheRequest, cached_days, read_metadata
 from app.data.conversion import conversion_wait_s, convert_on_converting_ranks
 from app.data.dataset import CriteoBatches, EpochBatchSampler
 from app.data.formats import DataFormat, ReadOptions, open_days, read_tsv_split, rows_view
+from app.data.layout import DATA_LAYOUT_KEY, training_layout
 from app.data.frequency_threshold import mapped_days, training_vocabulary
 from app.data.loader import ResumableBatchLoader, ignore_preemption_signals
 from app.data.numpy_days import NumpyDaysSource
@@ -171,6 +172,9 @@ class CriteoDataModule(LightningDataModule):
         # Each evaluation split's group id per row (by row id), with data.schema.group: for GAUC.
         self.eval_groups: dict[str, np.ndarray] = {}
         self.num_bad_rows_skipped = 0
+        # The features the model is trained on and how each is made (app/data/layout.py): set by a fit's
+        # setup, kept in its checkpoints for what reads them without the data (the pt2 export).
+        self.training_layout: dict[str, Any] | None = None
         # The model's tables take these sizes (app.cli links them once this module exists); None with
         # `auto` until setup has read the training data (the model then builds its tables in its setup).
         self.table_sizes: list[int] | None = sizes_as_set(num_embeddings_per_feature)
@@ -311,6 +315,7 @@ class CriteoDataModule(LightningDataModule):
                 rank_zero_warn(f"{where}: skipped {skipped} malformed rows (data.on_bad_rows = skip); first: {first_bad_row}")
             if name == "train":
                 self.num_bad_rows_skipped = skipped
+                self.training_layout = training_layout(files.format, files.files, self.schema, self.dense_transform)
             start, stop = part_rows(files.part, len(source))
             if name == "predict" and self.frequency_threshold and files.format == "tsv":  # Parquet's is cached mapped
                 # Raw ids until the vocabulary is known: a checkpoint's may arrive after setup (load_state_dict).
@@ -411,15 +416,20 @@ class CriteoDataModule(LightningDataModule):
     # ---- the vocabulary as checkpoint state (app/data/vocabulary_state.py) -------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of this module: the threshold and its vocabulary (nothing without a
-        threshold). app.checkpoint writes the vocabulary's arrays beside the checkpoint's metadata."""
-        return self.vocabulary_state.state_dict()
+        """What a checkpoint keeps of this module: the threshold and its vocabulary (none without a
+        threshold), and the training data's layout. app.checkpoint writes the vocabulary's arrays beside
+        the checkpoint's metadata."""
+        state = self.vocabulary_state.state_dict()
+        if self.training_layout is not None:
+            state[DATA_LAYOUT_KEY] = self.training_layout
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Takes a checkpoint's threshold and vocabulary (a :class:`Vocabulary`, or its plain form from an
         exported model file). Before ``setup`` it maps every split of the run; after, it is checked
         against the vocabulary the splits were mapped with when the loaders are made."""
-        self.vocabulary_state.load_state_dict(state_dict)
+        if "frequency_threshold" in state_dict:  # a checkpoint without a threshold holds other state only
+            self.vocabulary_state.load_state_dict(state_dict)
 
     def _check_restored_ids(self, same_vocabulary: bool) -> None:
         path = None if self.trainer is None else self.trainer.ckpt_path
