@@ -37,6 +37,7 @@ from app.data.parquet.groups import split_groups
 from app.data.parquet.jagged_source import JaggedDaysSource
 from app.data.parquet.keys import check_key_columns, read_key_columns
 from app.data.parquet.schema import ParquetSchema, check_list_settings
+from app.data.parquet.statistics import STATISTICS_KEY, DenseStatistics, check_restored_statistics, standardized_columns, training_statistics
 from app.data.preprocess import RAW_IDS, Vocabulary
 from app.data.source import RowSource
 from app.data.splits import SPLITS_BY_STAGE, SplitFiles, SplitName, part_rows, split_files
@@ -172,6 +173,8 @@ class CriteoDataModule(LightningDataModule):
         # Each evaluation split's group id per row (by row id), with data.schema.group: for GAUC.
         self.eval_groups: dict[str, np.ndarray] = {}
         self.num_bad_rows_skipped = 0
+        # data.schema's standardize columns: the training rows' [mean, std] each, counted or a checkpoint's.
+        self.dense_statistics: DenseStatistics | None = None
         # The features the model is trained on and how each is made (app/data/layout.py): set by a fit's
         # setup, kept in its checkpoints for what reads them without the data (the pt2 export).
         self.training_layout: dict[str, Any] | None = None
@@ -197,12 +200,39 @@ class CriteoDataModule(LightningDataModule):
         if not Path(self.root).expanduser().exists():
             raise FileNotFoundError(f"data.root: {self.root} does not exist")
 
-    def _cache_request(self, files: SplitFiles) -> CacheRequest:
+    def _cache_request(self, files: SplitFiles, convert: bool = False) -> CacheRequest:
+        """How ``files`` are cached; Parquet's conversion standardises with the training rows' statistics
+        (counted first where ``convert``), which are then part of the cache's fingerprint."""
+        schema = self.schema.as_dict() if files.format == "parquet" else None
+        if schema is not None and standardized_columns(self.schema):
+            schema[STATISTICS_KEY] = self._dense_statistics(convert)
+        return self._request_with(files, schema)
+
+    def _request_with(self, files: SplitFiles, schema: dict[str, Any] | None) -> CacheRequest:
         return CacheRequest(
             files.files, self.dense_transform, self.on_bad_rows, self.cache_dir, self.cache_workers,
-            wait_s=conversion_wait_s(self.trainer),
-            parquet_schema=self.schema.as_dict() if files.format == "parquet" else None,
+            wait_s=conversion_wait_s(self.trainer), parquet_schema=schema,
         )
+
+    def _dense_statistics(self, convert: bool) -> DenseStatistics:
+        """standardize's statistics: the restored checkpoint's, else the training files' (counted once)."""
+        if self.dense_statistics is None:
+            train = self._statistics_split()
+            request = self._request_with(train, self.schema.as_dict())  # the files' own fingerprint
+            self.dense_statistics = training_statistics(request, self.schema, convert)
+        return self.dense_statistics
+
+    def _statistics_split(self) -> SplitFiles:
+        """The training files standardize's statistics are counted over: whole Parquet files."""
+        names = ", ".join(column.name for column in standardized_columns(self.schema))
+        why = f"data.schema.dense ({names}): transform standardize takes its mean and std from the training rows"
+        try:
+            train = split_files(self.specs, self.split, self.root, self.format, ["train"])["train"]
+        except ValueError:
+            raise ValueError(f"{why}: set data.train for this stage too, or give --ckpt_path (it holds them)") from None
+        if train.format != "parquet" or train.part != "all":
+            raise ValueError(f"{why}, of whole Parquet files: {train.setting} is {train.format} ({train.part} rows)")
+        return train
 
     def _check_threshold_applies(self, files: SplitFiles) -> None:
         if files.format in CACHED_FORMATS:
@@ -244,14 +274,14 @@ class CriteoDataModule(LightningDataModule):
         if state.vocabulary is None:
             train = self._training_split()
             where = train.setting if train.part == "all" else f"{train.setting} ({train.part} rows)"
-            request = self._cache_request(train)
+            request = self._cache_request(train, convert)
             state.counted = training_vocabulary(request, train.part, self.frequency_threshold, where, convert)
         assert state.vocabulary is not None
         return state.vocabulary
 
     def _cached_folder(self, files: SplitFiles, convert: bool) -> Path:
         """The cached days of a raw TSV split: as converted, or mapped with the vocabulary."""
-        request = self._cache_request(files)
+        request = self._cache_request(files, convert)
         if not self.frequency_threshold:
             return cached_days(request, convert)
         self._vocabulary(convert)
@@ -266,7 +296,7 @@ class CriteoDataModule(LightningDataModule):
             self.table_sizes = sizes_from_vocabulary(self._vocabulary(convert))
             rank_zero_info(f"{TABLE_SIZES_SETTING}: auto -> {self.table_sizes} (the vocabulary sizes + 2)")
             return
-        folder = cached_days(self._cache_request(train), convert) if train.format in CACHED_FORMATS else None
+        folder = cached_days(self._cache_request(train, convert), convert) if train.format in CACHED_FORMATS else None
         self.table_sizes, source = sizes_from_days(train, folder)
         rank_zero_info(f"{TABLE_SIZES_SETTING}: auto -> {self.table_sizes} (from {source})")
 
@@ -279,6 +309,8 @@ class CriteoDataModule(LightningDataModule):
         self._files(stage)
         if self._needs_training_data(stage):
             self._training_split()  # where the sizes or the vocabulary come from: named before any launch
+        if self.dense_statistics is None and standardized_columns(self.schema):
+            self._statistics_split()  # where standardize's statistics come from: named before any launch
 
     def _files(self, stage: str) -> dict[str, SplitFiles]:
         """The files of the splits ``stage`` reads that are set, refusing a threshold where it cannot apply."""
@@ -422,6 +454,8 @@ class CriteoDataModule(LightningDataModule):
         state = self.vocabulary_state.state_dict()
         if self.training_layout is not None:
             state[DATA_LAYOUT_KEY] = self.training_layout
+        if self.dense_statistics is not None:  # standardize's: scoring the checkpoint needs no training rows
+            state[STATISTICS_KEY] = self.dense_statistics
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -430,6 +464,8 @@ class CriteoDataModule(LightningDataModule):
         against the vocabulary the splits were mapped with when the loaders are made."""
         if "frequency_threshold" in state_dict:  # a checkpoint without a threshold holds other state only
             self.vocabulary_state.load_state_dict(state_dict)
+        if STATISTICS_KEY in state_dict:
+            self.dense_statistics = check_restored_statistics(state_dict[STATISTICS_KEY], self.dense_statistics, self.schema)
 
     def _check_restored_ids(self, same_vocabulary: bool) -> None:
         path = None if self.trainer is None else self.trainer.ckpt_path

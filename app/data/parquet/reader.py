@@ -94,8 +94,11 @@ def _check_type(path: Path, name: str, types: dict[str, pa.DataType], wanted: st
         raise ValueError(f"{path}: column {name!r} holds {types[name]}; data.schema declares {wanted}")
 
 
-def iter_parquet_chunks(path: Path, schema: ParquetSchema, block_bytes: int) -> Iterator[tuple[CriteoArrays, int]]:
-    """``(rows with raw 32-bit ids, 0 rows skipped)`` per chunk of a Parquet file, row group by row group."""
+def iter_parquet_chunks(
+    path: Path, schema: ParquetSchema, block_bytes: int, statistics: dict[str, list[float]] | None = None
+) -> Iterator[tuple[CriteoArrays, int]]:
+    """``(rows with raw 32-bit ids, 0 rows skipped)`` per chunk of a Parquet file, row group by row group.
+    ``statistics``: [mean, std] of each ``standardize`` dense column over the training rows."""
     strings = [c.name for c in schema.categorical if c.ids != "integer" and not c.max_length]
     strings += [] if schema.group is None else [schema.group]
     labelled = check_columns(path, open_parquet(path), schema)
@@ -106,13 +109,15 @@ def iter_parquet_chunks(path: Path, schema: ParquetSchema, block_bytes: int) -> 
     for group in range(file.metadata.num_row_groups):
         for batch in file.iter_batches(batch_size=chunk_rows, row_groups=[group], columns=columns):
             where = f"{path}: row group {group}"
-            yield _arrays(batch, schema, labelled, where), 0
+            yield _arrays(batch, schema, labelled, where, statistics or {}), 0
 
 
-def _arrays(batch: pa.RecordBatch, schema: ParquetSchema, labelled: bool, where: str) -> CriteoArrays:
+def _arrays(
+    batch: pa.RecordBatch, schema: ParquetSchema, labelled: bool, where: str, statistics: dict[str, list[float]]
+) -> CriteoArrays:
     dense = np.zeros((batch.num_rows, NUM_DENSE), dtype=np.float32)  # inputs no column fills hold 0
     for j, column in enumerate(schema.dense):
-        dense[:, j] = dense_values(batch.column(column.name), column, where)
+        dense[:, j] = dense_values(batch.column(column.name), column, where, statistics.get(column.name))
     sparse = np.zeros((batch.num_rows, NUM_SPARSE), dtype=np.uint32)  # a list feature's column stays 0
     lists, truncated = {}, 0
     for j, column in enumerate(schema.categorical):
@@ -172,8 +177,21 @@ def label_values(values: pa.Array, name: str, where: str) -> np.ndarray:
     return labels
 
 
-def dense_values(values: pa.Array, column: DenseColumn, where: str) -> np.ndarray:
-    """One dense column as float32, nulls filled and the transform applied (float64 first, as for TSV)."""
+def dense_values(values: pa.Array, column: DenseColumn, where: str, statistics: list[float] | None = None) -> np.ndarray:
+    """One dense column as float32, nulls filled and the transform applied (float64 first, as for TSV);
+    ``statistics``: the training rows' [mean, std], for ``standardize``."""
+    numbers = dense_float64(values, column, where)
+    if column.transform == "log1p":
+        return np.log1p(np.maximum(numbers, 0.0)).astype(np.float32)
+    if column.transform == "standardize":
+        assert statistics is not None, f"{column.name}: standardize needs the training rows' mean and std"
+        mean, std = statistics
+        return ((numbers - mean) / std).astype(np.float32)
+    return numbers.astype(np.float32)
+
+
+def dense_float64(values: pa.Array, column: DenseColumn, where: str) -> np.ndarray:
+    """One dense column as float64 with its nulls filled (refused without a fill), before its transform."""
     if values.null_count:
         if column.fill is None:
             raise ValueError(
@@ -181,10 +199,7 @@ def dense_values(values: pa.Array, column: DenseColumn, where: str) -> np.ndarra
                 f"set its fill in data.schema.dense (e.g. fill: 0.0)"
             )
         values = values.fill_null(pa.scalar(column.fill).cast(values.type, safe=False))
-    numbers = values.to_numpy(zero_copy_only=False).astype(np.float64)
-    if column.transform == "log1p":
-        return np.log1p(np.maximum(numbers, 0.0)).astype(np.float32)
-    return numbers.astype(np.float32)
+    return values.to_numpy(zero_copy_only=False).astype(np.float64)
 
 
 def raw_ids(values: pa.Array, column: CategoricalColumn, where: str) -> np.ndarray:

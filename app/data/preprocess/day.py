@@ -94,7 +94,8 @@ def _has_groups(task: DayTask) -> bool:
 def _chunks(task: DayTask) -> Iterator[tuple[CriteoArrays, int]]:
     """The input's rows with raw ids, chunk by chunk: Parquet by the schema's columns, else raw TSV."""
     if task.parquet_schema is not None:
-        return iter_parquet_chunks(task.input, ParquetSchema.from_dict(task.parquet_schema), task.block_bytes)
+        schema = task.parquet_schema  # with the training rows' dense statistics, for standardize
+        return iter_parquet_chunks(task.input, ParquetSchema.from_dict(schema), task.block_bytes, schema.get("dense_statistics"))
     return iter_chunks(task.input, task.dense_transform, task.on_bad_rows, task.block_bytes, task.num_threads)
 
 
