@@ -58,7 +58,9 @@ class DLRMCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         # The data hashes ids modulo the table sizes, so the model's tables must have exactly these sizes;
         # taken from the data module once it exists (`auto` reads them from the data).
-        parser.link_arguments("data.table_sizes", "model.num_embeddings_per_feature", apply_on="instantiate")
+        parser.link_arguments("data.model_table_sizes", "model.num_embeddings_per_feature", apply_on="instantiate")
+        # The model takes exactly the features the data schema names (its tables, dims and pooling).
+        parser.link_arguments("data.model_features", "model.features", apply_on="instantiate")
         parser.add_lightning_class_args(SamplesPerSecond, "throughput")
         parser.add_lightning_class_args(PredictionWriter, "prediction_writer")
         parser.add_lightning_class_args(RankHealth, "rank_health")

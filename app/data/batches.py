@@ -2,7 +2,7 @@
 
 A batch holds B rows: ``dense_features`` (B, 13) float32, ``sparse_features`` a KeyedJaggedTensor
 with the 26 categorical features (one id per row and feature for raw Criteo, a bag of ids per row
-and feature for multi-hot data), ``labels`` (B,)
+and feature for multi-hot data; a data schema's own features, by their names), ``labels`` (B,)
 float32, and ``row_ids`` (B,) int64: each row's index in its split, or -1 for a padding row that
 only keeps the ranks' batch counts equal and must be ignored by metrics and predictions. Padding
 rows come last, and their number is known on the host when the batch is built: leaving them out is
@@ -71,8 +71,9 @@ def make_batch(block: RowBlock, row_ids: np.ndarray) -> CriteoBatch:
     num_real_rows = int(np.count_nonzero(row_ids != PADDING_ROW_ID))
     if (row_ids[num_real_rows:] != PADDING_ROW_ID).any():
         raise ValueError("padding rows (row id -1) must come after every real row of a batch")
-    values, lengths = _jagged_ids(block.sparse, len(block))
-    sparse_features = KeyedJaggedTensor.from_lengths_sync(keys=DEFAULT_CAT_NAMES, values=values, lengths=lengths)
+    keys = list(DEFAULT_CAT_NAMES if block.feature_names is None else block.feature_names)
+    values, lengths = _jagged_ids(block.sparse, len(block), keys)
+    sparse_features = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths)
     return CriteoBatch(
         dense_features=torch.from_numpy(np.ascontiguousarray(block.dense, dtype=np.float32)),
         sparse_features=sparse_features,
@@ -82,15 +83,17 @@ def make_batch(block: RowBlock, row_ids: np.ndarray) -> CriteoBatch:
     )
 
 
-def _jagged_ids(sparse: np.ndarray | list[np.ndarray], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _jagged_ids(
+    sparse: np.ndarray | list[np.ndarray], batch_size: int, keys: list[str]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """KeyedJaggedTensor values and lengths; values are feature-major: all rows of cat_0, then cat_1, ..."""
     if isinstance(sparse, np.ndarray):  # one id per row and feature
-        if sparse.shape != (batch_size, len(DEFAULT_CAT_NAMES)):
-            raise ValueError(f"expected sparse ids of shape ({batch_size}, {len(DEFAULT_CAT_NAMES)}), got {sparse.shape}")
+        if sparse.shape != (batch_size, len(keys)):
+            raise ValueError(f"expected sparse ids of shape ({batch_size}, {len(keys)}), got {sparse.shape}")
         values = torch.from_numpy(np.ascontiguousarray(sparse.T, dtype=np.int64)).reshape(-1)
         return values, torch.ones(sparse.size, dtype=torch.int32)
-    if len(sparse) != len(DEFAULT_CAT_NAMES):
-        raise ValueError(f"expected {len(DEFAULT_CAT_NAMES)} multi-hot features, got {len(sparse)}")
+    if len(sparse) != len(keys):
+        raise ValueError(f"expected {len(keys)} multi-hot features, got {len(sparse)}")
     # Feature j holds m_j ids per row, row after row: its (B, m_j) array flattened in row order; or
     # it is jagged, (ids per row (B,), the ids row after row): a list feature of own data (docs/own-data.md).
     values, lengths = [], []

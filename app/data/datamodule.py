@@ -36,6 +36,7 @@ from app.data.numpy_days import NumpyDaysSource
 from app.data.parquet.groups import split_groups
 from app.data.parquet.jagged_source import JaggedDaysSource
 from app.data.parquet.keys import check_key_columns, read_key_columns
+from app.data.parquet.model_inputs import ModelInputs, counted_table_sizes as counted_schema_sizes, set_table_sizes
 from app.data.parquet.schema import ParquetSchema, check_list_settings
 from app.data.parquet.statistics import STATISTICS_KEY, DenseStatistics, check_restored_statistics, standardized_columns, training_statistics
 from app.data.preprocess import RAW_IDS, Vocabulary
@@ -180,9 +181,29 @@ class CriteoDataModule(LightningDataModule):
         self.training_layout: dict[str, Any] | None = None
         # The model's tables take these sizes (app.cli links them once this module exists); None with
         # `auto` until setup has read the training data (the model then builds its tables in its setup).
-        self.table_sizes: list[int] | None = sizes_as_set(num_embeddings_per_feature)
+        self.table_sizes: list[int] | None = self._sizes_as_set(num_embeddings_per_feature)
         if self.table_sizes is None and not (self.specs.get("train") or self.split):
             raise ValueError(f"{TABLE_SIZES_SETTING}: auto sizes the tables from the training data; set data.train or data.split")
+
+    def _sizes_as_set(self, setting: TableSizeSetting) -> list[int] | None:
+        """The 26 sizes of the cached id columns that a size setting names (None: ``auto``): Criteo's, or
+        one per categorical column of ``data.schema`` (the cache's other id columns: 1)."""
+        if setting == "auto" or self.model_features is None:
+            return sizes_as_set(setting)
+        return set_table_sizes(self.schema, setting)  # type: ignore[arg-type]
+
+    @property
+    def model_features(self) -> dict[str, Any] | None:
+        """The model's inputs that ``data.schema`` names (``model.features``); None: Criteo's 13 + 26."""
+        return self.schema.model_features()
+
+    @property
+    def model_table_sizes(self) -> list[int] | None:
+        """One table size per categorical feature of the model (``model.num_embeddings_per_feature``)."""
+        features = self.model_features
+        if self.table_sizes is None or features is None:
+            return self.table_sizes
+        return self.table_sizes[: len(features["categorical"])]
 
     @property
     def options(self) -> ReadOptions:
@@ -298,6 +319,8 @@ class CriteoDataModule(LightningDataModule):
             return
         folder = cached_days(self._cache_request(train, convert), convert) if train.format in CACHED_FORMATS else None
         self.table_sizes, source = sizes_from_days(train, folder)
+        if train.format == "parquet":  # a table shared by several columns covers all their ids
+            self.table_sizes = counted_schema_sizes(self.schema, self.table_sizes)
         rank_zero_info(f"{TABLE_SIZES_SETTING}: auto -> {self.table_sizes} (from {source})")
 
     def check_inputs(self, stage: str) -> None:
@@ -320,6 +343,9 @@ class CriteoDataModule(LightningDataModule):
                 self._check_threshold_applies(files)
         if any(files.format == "parquet" for files in found.values()):
             check_list_settings(self.schema, self.frequency_threshold)
+        other = next((files for files in found.values() if files.format != "parquet"), None)
+        if other is not None and self.model_features is not None:
+            raise ValueError(f"data.schema names Parquet columns, but {other.setting} holds {other.format} files: drop data.schema")
         return found
 
     def _convert(self, stage: str) -> None:
@@ -398,6 +424,8 @@ class CriteoDataModule(LightningDataModule):
             source = JaggedDaysSource.from_directory(folder, None, self.table_sizes, list_features=list(self.schema.list_features))
         else:
             source = NumpyDaysSource.from_directory(folder, None, self.table_sizes)
+        if files.format == "parquet" and (features := self.model_features) is not None:
+            source = ModelInputs(source, len(features["dense"]), [c["name"] for c in features["categorical"]])
         outside = from_metadata(metadata, *part_rows(files.part, len(source))) if name != "train" else None
         if outside is not None:  # counted as the split's days were mapped (app/data/vocabulary_coverage.py)
             where = f"data.{name}" if files.setting == f"data.{name}" else f"{files.setting} ({files.part} rows)"
@@ -489,7 +517,7 @@ def counted_table_sizes(trainer: Trainer) -> list[int]:
     """The table sizes the run's data module counted in its setup (``auto``), for a model whose tables
     waited for them."""
     datamodule = trainer.datamodule
-    sizes = datamodule.table_sizes if isinstance(datamodule, CriteoDataModule) else None
+    sizes = datamodule.model_table_sizes if isinstance(datamodule, CriteoDataModule) else None
     if sizes is None:
         raise ValueError("model.num_embeddings_per_feature: not set, and no data module counted the table sizes")
     return list(sizes)

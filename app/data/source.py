@@ -37,11 +37,13 @@ class RowBlock:
         with m_j ids per row (MLPerf DLRMv2), pooled into one bag per row and feature; in that list a
         jagged feature (a Parquet list column) is a tuple (ids per row (B,), the ids row after row).
     labels: float32 (B,), 0/1; -1 for unlabelled rows.
+    feature_names: the categorical features' names, one per sparse column; None: Criteo's 26.
     """
 
     dense: np.ndarray
     sparse: np.ndarray | list[np.ndarray]
     labels: np.ndarray
+    feature_names: tuple[str, ...] | None = None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])

@@ -28,9 +28,10 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
-from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRM_Projection, OverArch
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.models.dlrm import DLRM, DLRM_DCN, DenseArch, DLRM_Projection, OverArch, SparseArch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.types import DataType
 
 from app.criteo import NUM_DENSE
@@ -52,22 +53,33 @@ def table_name(feature_name: str) -> str:
 
 
 class ConcatInteractionArch(nn.Module):
-    """Concatenates the dense embedding and the F pooled sparse embeddings: (B, D), (B, F, D) -> (B, (F + 1) * D)."""
+    """Concatenates the dense embedding and the F pooled sparse embeddings: (B, D), (B, F, D) -> (B, (F + 1) * D);
+    embeddings of several widths come already concatenated: (B, D), (B, S) -> (B, D + S)."""
 
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
-        if dense_features.dim() != 2 or sparse_features.dim() != 3:
+        if dense_features.dim() != 2 or sparse_features.dim() not in (2, 3):
             raise ValueError(
-                f"expected dense (B, D) and sparse (B, F, D), got {tuple(dense_features.shape)} "
+                f"expected dense (B, D) and sparse (B, F, D) or (B, S), got {tuple(dense_features.shape)} "
                 f"and {tuple(sparse_features.shape)}"
             )
         return torch.cat([dense_features, sparse_features.flatten(1)], dim=1)
+
+
+class ConcatSparseArch(SparseArch):
+    """TorchRec's ``SparseArch`` for tables of several widths: the F pooled embeddings side by side, (B, S)
+    with S the sum of their widths, in ``sparse_feature_names``' order (SparseArch's (B, F, D) needs one D)."""
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        pooled = self.embedding_bag_collection(features).to_dict()
+        return torch.cat([pooled[name] for name in self.sparse_feature_names], dim=1)
 
 
 class DLRMConcat(DLRM):
     """DLRM whose interaction concatenates the embeddings instead of taking their dot products.
 
     Args:
-        embedding_bag_collection: the sparse tables (all of the same dimension D).
+        embedding_bag_collection: the sparse tables (of one dimension D, or of several: their pooled
+            embeddings are then concatenated as they are).
         dense_in_features: I, the number of dense features.
         dense_arch_layer_sizes: bottom MLP sizes; the last must equal D.
         over_arch_layer_sizes: top MLP sizes; the last is 1 (the click logit).
@@ -82,6 +94,12 @@ class DLRMConcat(DLRM):
         over_arch_layer_sizes: list[int],
         dense_device: torch.device | None = None,
     ) -> None:
+        configs = embedding_bag_collection.embedding_bag_configs()
+        if len({config.embedding_dim for config in configs}) > 1:
+            self._init_with_several_dims(
+                embedding_bag_collection, dense_in_features, dense_arch_layer_sizes, over_arch_layer_sizes, dense_device
+            )
+            return
         super().__init__(
             embedding_bag_collection, dense_in_features, dense_arch_layer_sizes, over_arch_layer_sizes, dense_device
         )
@@ -92,6 +110,25 @@ class DLRMConcat(DLRM):
             in_features=(num_sparse_features + 1) * embedding_dim,
             layer_sizes=over_arch_layer_sizes,
             device=dense_device,
+        )
+
+
+    def _init_with_several_dims(
+        self,
+        embedding_bag_collection: EmbeddingBagCollection,
+        dense_in_features: int,
+        dense_arch_layer_sizes: list[int],
+        over_arch_layer_sizes: list[int],
+        dense_device: torch.device | None,
+    ) -> None:
+        """DLRM's parts, assembled here: TorchRec's ``DLRM.__init__`` asserts one dim for every table."""
+        nn.Module.__init__(self)
+        self.sparse_arch = ConcatSparseArch(embedding_bag_collection)
+        self.dense_arch = DenseArch(in_features=dense_in_features, layer_sizes=dense_arch_layer_sizes, device=dense_device)
+        self.inter_arch = ConcatInteractionArch()
+        widths = sum(config.embedding_dim * len(config.feature_names) for config in embedding_bag_collection.embedding_bag_configs())
+        self.over_arch = OverArch(
+            in_features=dense_arch_layer_sizes[-1] + widths, layer_sizes=over_arch_layer_sizes, device=dense_device
         )
 
 
@@ -208,9 +245,12 @@ def build_embedding_bag_collection(
     num_embeddings_per_feature: Sequence[int],
     device: torch.device | str = "meta",
     embedding_precision: EmbeddingPrecision = "fp32",
+    features: ModelFeatures | None = None,
 ) -> EmbeddingBagCollection:
     """One sum-pooled table per Criteo categorical feature (the first n features for n sizes), on ``device``,
     its weights in ``embedding_precision`` (fp16: half the memory and lookup bytes, see ``check_embedding_precision``).
+    With ``features`` (a data schema's, :func:`check_features`): the tables its categorical features name,
+    one size per feature.
 
     The default "meta" allocates nothing: the strategy's DistributedModelParallel materialises each
     table only on the rank(s) that own its shards.
@@ -219,6 +259,9 @@ def build_embedding_bag_collection(
         raise ValueError(
             f"model.embedding_precision = {embedding_precision!r} is not one of {', '.join(EMBEDDING_PRECISIONS)}"
         )
+    if features is not None:
+        configs = schema_tables(features, num_embeddings_per_feature, embedding_dim, _DATA_TYPES[embedding_precision])
+        return EmbeddingBagCollection(tables=configs, device=torch.device(device))
     if not 1 <= len(num_embeddings_per_feature) <= len(DEFAULT_CAT_NAMES):
         raise ValueError(
             f"num_embeddings_per_feature has {len(num_embeddings_per_feature)} sizes; "
@@ -235,6 +278,72 @@ def build_embedding_bag_collection(
         for feature, num_embeddings in zip(DEFAULT_CAT_NAMES, num_embeddings_per_feature)
     ]
     return EmbeddingBagCollection(tables=tables, device=torch.device(device))
+
+
+# A data schema's features as the model takes them (``model.features``, plain values that checkpoints
+# keep): {"dense": [column names], "categorical": [{"name", "table", "dim" (None: model.embedding_dim),
+# "pooling" ("sum" or "mean")}, ...]}, in input order. None: Criteo's 13 dense and 26 categorical features.
+ModelFeatures = dict[str, Any]
+_POOLINGS = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
+
+
+def schema_tables(
+    features: ModelFeatures, num_embeddings_per_feature: Sequence[int], embedding_dim: int, data_type: DataType
+) -> list[EmbeddingBagConfig]:
+    """The tables the categorical features name, in the order each first appears; a table shared by several
+    features is one ``EmbeddingBagConfig`` naming them all (TorchRec pools each feature on its own)."""
+    categorical = features["categorical"]
+    if len(num_embeddings_per_feature) != len(categorical):
+        raise ValueError(
+            f"num_embeddings_per_feature has {len(num_embeddings_per_feature)} sizes; the data schema has "
+            f"{len(categorical)} categorical features"
+        )
+    tables: dict[str, EmbeddingBagConfig] = {}
+    for feature, num_embeddings in zip(categorical, num_embeddings_per_feature):
+        config = tables.get(feature["table"])
+        if config is None:
+            tables[feature["table"]] = EmbeddingBagConfig(
+                name=table_name(feature["table"]),
+                embedding_dim=feature["dim"] or embedding_dim,
+                num_embeddings=num_embeddings,
+                feature_names=[feature["name"]],
+                pooling=_POOLINGS[feature["pooling"]],
+                data_type=data_type,
+            )
+        elif config.num_embeddings != num_embeddings:
+            raise ValueError(
+                f"num_embeddings_per_feature gives {config.num_embeddings} rows to {config.feature_names[0]!r} and "
+                f"{num_embeddings} to {feature['name']!r}, which share table {feature['table']!r}: give them one size"
+            )
+        else:
+            config.feature_names.append(feature["name"])
+    return list(tables.values())
+
+
+def check_features(features: ModelFeatures | None, interaction: str, embedding_dim: int, fm_terms: bool) -> None:
+    """Refuses per-feature dims the interaction cannot take, naming the feature and its dim.
+
+    TorchRec's DLRM (dot), DLRM_DCN and DLRM_Projection stack the pooled embeddings into one (B, F, D)
+    tensor and assert one dim for every table; TorchEasyRec's DLRM refuses features of several dims
+    ("sparse group feature dims must be the same") rather than project them. So the app does the same:
+    a dim other than ``model.embedding_dim`` is refused there, and taken by the ``cat`` interaction,
+    which concatenates embeddings of any widths (as TorchEasyRec's concatenating models do), without
+    the factorization machine's terms, whose dot products need one dim.
+    """
+    if features is None:
+        return
+    for feature in features["categorical"]:
+        dim = feature["dim"]
+        if dim is None or dim == embedding_dim:
+            continue
+        where = f"data.schema.categorical {feature['name']!r}: dim = {dim} differs from model.embedding_dim = {embedding_dim}"
+        if interaction != "cat":
+            raise ValueError(
+                f"{where}; model.interaction = {interaction} takes one dim for every table (its dot products): "
+                "leave dim out, or use model.interaction: cat"
+            )
+        if fm_terms:
+            raise ValueError(f"{where}; model.first_order and model.second_order take one dim for every table: turn them off")
 
 
 def build_dlrm_arguments(settings: dict[str, Any]) -> dict[str, Any]:
@@ -258,20 +367,23 @@ def build_dlrm(
     embedding_precision: EmbeddingPrecision = "fp32",
     first_order: bool = False,
     second_order: bool = False,
+    features: ModelFeatures | None = None,
 ) -> DLRM:
     """Builds a DLRM with the chosen interaction; the embedding tables, in ``embedding_precision``, are left
     on ``embedding_device``. ``first_order`` adds each id's bias to the logit, ``second_order`` the sum of the
-    embeddings' pairwise dot products (:class:`FactorizationMachineTerms`).
+    embeddings' pairwise dot products (:class:`FactorizationMachineTerms`). ``features``: a data schema's
+    inputs (its dense columns, its tables), else Criteo's 13 dense features and 26 tables.
 
     Raises:
         ValueError: naming the setting, for an unknown interaction or inconsistent layer sizes.
     """
     validate_dlrm_sizes(interaction, embedding_dim, dense_arch_layer_sizes, over_arch_layer_sizes)
+    check_features(features, interaction, embedding_dim, first_order or second_order)
     common = dict(
         embedding_bag_collection=build_embedding_bag_collection(
-            embedding_dim, num_embeddings_per_feature, embedding_device, embedding_precision
+            embedding_dim, num_embeddings_per_feature, embedding_device, embedding_precision, features
         ),
-        dense_in_features=NUM_DENSE,
+        dense_in_features=NUM_DENSE if features is None else len(features["dense"]),
         dense_arch_layer_sizes=list(dense_arch_layer_sizes),
         over_arch_layer_sizes=list(over_arch_layer_sizes),
     )

@@ -143,6 +143,8 @@ class DLRMModule(LightningModule):
             product (after the first component with ``first_order``): a factorization machine's
             pairwise term beside the MLP, as DeepFM has; no new parameters. Measured on data whose
             truth has pairwise effects: see docs/quality.md.
+        features: the model's inputs, linked from ``data.schema`` (its dense columns, and its categorical
+            columns with their tables, dims and pooling); None: Criteo's 13 dense and 26 categorical features.
     """
 
     # How a run trains or evaluates, not what the model is: a run from a checkpoint may set these anew
@@ -187,6 +189,7 @@ class DLRMModule(LightningModule):
         embedding_precision: EmbeddingPrecision = "fp32",
         first_order: bool = False,
         second_order: bool = False,
+        features: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -231,9 +234,7 @@ class DLRMModule(LightningModule):
         self.model = build_dlrm(
             interaction=hp.interaction,
             embedding_dim=hp.embedding_dim,
-            num_embeddings_per_feature=expand_table_sizes(
-                num_embeddings_per_feature, "num_embeddings_per_feature", require_all=False
-            ),
+            num_embeddings_per_feature=_table_sizes(num_embeddings_per_feature, hp.features),
             dense_arch_layer_sizes=hp.dense_arch_layer_sizes,
             over_arch_layer_sizes=hp.over_arch_layer_sizes,
             dcn_num_layers=hp.dcn_num_layers,
@@ -244,6 +245,7 @@ class DLRMModule(LightningModule):
             embedding_precision=hp.embedding_precision,
             first_order=hp.first_order,
             second_order=hp.second_order,
+            features=hp.features,
         )
         # Set before sharding: the sharder reads it to build the update into the embedding kernels.
         fuse_sparse_optimizer(
@@ -484,6 +486,13 @@ class DLRMModule(LightningModule):
         if self.lr_schedule.is_constant:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": lr_scheduler_config(optimizer, self.lr_schedule)}
+
+
+def _table_sizes(num_embeddings_per_feature: int | list[int], features: dict[str, Any] | None) -> list[int]:
+    """One size per categorical feature: Criteo's 26 (or the first n), or the data schema's."""
+    if features is not None and isinstance(num_embeddings_per_feature, int):
+        return [num_embeddings_per_feature] * len(features["categorical"])
+    return expand_table_sizes(num_embeddings_per_feature, "num_embeddings_per_feature", require_all=False)
 
 
 def _eval_groups(datamodule: Any, split: str) -> np.ndarray | None:

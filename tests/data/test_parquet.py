@@ -214,8 +214,6 @@ def test_the_two_roads_train_the_same_model_on_2_processes(roads, tmp_path):
 
 
 def test_a_list_column_reaches_the_model_as_a_jagged_feature_summed_per_row(tmp_path):
-    from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
-
     from app.model.dlrm import build_embedding_bag_collection
 
     lists = [[5, 1005, 7, 9], None, [], [3], [2, 2]]  # 4 ids cut to 3; a null and an empty list: no id
@@ -229,14 +227,14 @@ def test_a_list_column_reaches_the_model_as_a_jagged_feature_summed_per_row(tmp_
     with pytest.warns(UserWarning, match=r"train.parquet: 1 lists longer than their data.schema max_length were cut"):
         data.setup("fit")
     (batch,) = list(data.train_dataloader())
-    items = batch.sparse_features[DEFAULT_CAT_NAMES[1]]
+    items = batch.sparse_features["recent_items"]
     assert items.lengths().tolist() == [3, 0, 0, 1, 2]  # each row's true length, not padded
     assert items.values().tolist() == [5, 5, 7, 3, 2, 2]  # ids modulo the table's 1,000 rows; 9 was cut
-    assert batch.sparse_features[DEFAULT_CAT_NAMES[0]].lengths().tolist() == [1] * 5
-    assert batch.sparse_features[DEFAULT_CAT_NAMES[5]].values().tolist() == [0] * 5  # a model input no column fills
-    tables = build_embedding_bag_collection(4, [1000] * 26, device="cpu")
-    pooled = tables(batch.sparse_features).to_dict()[DEFAULT_CAT_NAMES[1]]
-    weight = tables.embedding_bags[f"t_{DEFAULT_CAT_NAMES[1]}"].weight.detach()
+    assert batch.sparse_features["user"].lengths().tolist() == [1] * 5
+    assert batch.sparse_features.keys() == ["user", "recent_items"]  # the schema's features, no constant input
+    tables = build_embedding_bag_collection(4, [1000] * 2, device="cpu", features=data.model_features)
+    pooled = tables(batch.sparse_features).to_dict()["recent_items"]
+    weight = tables.embedding_bags["t_recent_items"].weight.detach()
     by_hand = torch.stack([weight[ids].sum(0) if ids else torch.zeros(4) for ids in ([5, 5, 7], [], [], [3], [2, 2])])
     assert torch.allclose(pooled, by_hand, atol=1e-6)
     with pytest.raises(ValueError, match=r"data.frequency_threshold = 3 does not apply to the list columns of data.schema \(recent_items\)"):
