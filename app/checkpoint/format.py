@@ -44,7 +44,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torchrec.distributed.types import ShardingPlan
 
-from app.checkpoint.checksums import verify_checksums, write_rank_checksums
+from app.checkpoint.checksums import ChecksummingFileSystemWriter, verify_checksums, write_rank_checksums
 from app.checkpoint.plan_json import plan_from_json, plan_to_json
 from app.checkpoint.reshard import load_resharded
 from app.checkpoint.vocabulary import load_vocabulary, save_vocabulary, trained_threshold
@@ -107,12 +107,11 @@ def save(
     # dcp.save gathers every rank's result: a failure on one rank raises on all, no rank hangs.
     # Its collectives go through the strategy's checkpoint group: ranks that finish writing first
     # wait there for the slowest (uneven shards), not under the NCCL watchdog's timeout.
-    dcp.save(
-        tensors, storage_writer=dcp.FileSystemWriter(folder), process_group=collectives.checkpoint_process_group
-    )
+    writer = ChecksummingFileSystemWriter(folder)  # DCP's writer, hashing the bytes as it writes them
+    dcp.save(tensors, storage_writer=writer, process_group=collectives.checkpoint_process_group)
     # DCP names a rank's files by its rank in the group it saved through.
     group_rank = dist.get_rank(collectives.checkpoint_process_group) if dist.is_initialized() else 0
-    write_rank_checksums(folder, group_rank)
+    write_rank_checksums(folder, group_rank, writer.checksums())
     collectives.barrier()  # every rank's shards and their checksums are on disk
     if collectives.is_global_zero:
         meta = {key: value for key, value in checkpoint.items() if key not in _TENSOR_KEYS}
