@@ -23,6 +23,10 @@ state included, with nested keys this file does not want.
 When ``predict`` (or ``validate``/``test``) is given an exported file, the hyper-parameters in it set
 the model (LightningCLI reads them from a checkpoint file) and each rank copies only the rows and
 columns of its own shards out of the memory-mapped file.
+
+The file proves it is intact: ``torch.save`` writes a zip archive with a CRC-32 of every record (the
+pickle, each tensor's bytes), and every reader checks them all (:func:`check_export_intact`) before it
+uses anything of the file; a mismatch is refused as damaged, naming the file.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import json
 import os
 import sys
 import warnings
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -125,10 +131,37 @@ def export_checkpoint(
     target = Path(output).expanduser()
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(target.name + ".partial")
-    torch.save(exported, partial)
+    recording = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)  # the records' CRC-32s are the file's checksum
+    try:
+        torch.save(exported, partial)
+    finally:
+        torch.serialization.set_crc32_options(recording)
     os.replace(partial, target)  # never a half-written model file under the final name
     print(f"exported {len(state_dict)} tensors from {source} to {target}")
     return target
+
+
+_INTACT: set[tuple[str, int, int]] = set()  # (path, size, mtime) of files checked in this process
+
+
+def check_export_intact(path: str | Path) -> None:
+    """Refuses, in one line naming the file, a model file whose records differ from the CRC-32s torch.save
+    wrote beside them (bit rot, a damaged copy). Files that are not zip archives are left to the caller's
+    format check. Each file is read once per process, however many times it is loaded."""
+    path = Path(path)
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key in _INTACT or not zipfile.is_zipfile(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()  # reads every record and compares its CRC-32
+    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, NotImplementedError) as error:
+        raise ValueError(f"{path}: damaged (its archive cannot be read: {error}); export it again from its checkpoint") from None
+    if bad is not None:
+        raise ValueError(f"{path}: damaged (record {bad} does not match its CRC-32); export it again from its checkpoint")
+    _INTACT.add(key)
 
 
 def is_exported_model(path: str | Path) -> bool:
@@ -143,6 +176,7 @@ def load_exported_into(path: str | Path, module: nn.Module) -> dict[str, Any]:
     The file is memory-mapped, so a rank reads only the rows and columns of the shards it holds.
     """
     path = Path(path)
+    check_export_intact(path)
     try:
         exported = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # a truncated file, or not a torch file at all

@@ -30,9 +30,9 @@ from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 
 from app.checkpoint.export import read_model_tensors
 from app.checkpoint.saved_model import read_saved_model
-from app.checkpoint.serving_graph import MIN_QUANTIZED_ROWS, IdMapping, RowWiseInt8, ServingDLRM
-from app.checkpoint.serving_runtime import CONTRACT_FORMAT, DENSE_INPUT, SPARSE_INPUT, contract_path
-from app.criteo import DENSE_NAMES, NUM_DENSE, NUM_SPARSE, SPARSE_NAMES
+from app.checkpoint.serving_graph import DENSE_TRANSFORMS, MIN_QUANTIZED_ROWS, IdMapping, RowWiseInt8, ServingDLRM
+from app.checkpoint.serving_runtime import CONTRACT_FORMAT, DENSE_INPUT, DENSE_VALUES_INPUT, SPARSE_INPUT, contract_path, file_crc32
+from app.criteo import NUM_DENSE, SPARSE_NAMES
 from app.model.dlrm import build_dlrm, build_dlrm_arguments, table_name
 
 LOWERED_INTERACTIONS = ("dot", "cat", "dcn", "projection")
@@ -51,8 +51,9 @@ class SavedWeights:
 
     hyper_parameters: dict[str, Any]
     state_dict: dict[str, torch.Tensor]
-    vocabulary_ids: list[torch.Tensor] | None  # 26 sorted int64 tensors, or None for hashed ids
+    vocabulary_ids: list[torch.Tensor] | None  # one sorted int64 tensor per feature, or None for hashed ids
     frequency_threshold: int
+    data_layout: dict[str, Any]  # the features it was trained on and how each was made (app/data/layout.py)
 
 
 def read_saved_weights(source: Path) -> SavedWeights:
@@ -69,30 +70,108 @@ def read_saved_weights(source: Path) -> SavedWeights:
     if vocabulary is not None:
         arrays = vocabulary.ids if hasattr(vocabulary, "ids") else vocabulary["ids"]
         ids = [torch.as_tensor(array, dtype=torch.int64) for array in arrays]
-    return SavedWeights(dict(hyper_parameters), state_dict, ids, threshold)
+    return SavedWeights(dict(hyper_parameters), state_dict, ids, threshold, saved.data_layout)
 
 
-def check_lowerable(hyper_parameters: dict[str, Any], source: Path) -> None:
-    """Refuses, naming the setting, a model the serving graph does not reproduce."""
+def check_lowerable(hyper_parameters: dict[str, Any], source: Path, layout: dict[str, Any] | None = None) -> None:
+    """Refuses, naming the setting or the feature, a model the serving graph does not reproduce; before any
+    compile."""
     interaction = hyper_parameters.get("interaction", "dot")
     if interaction not in LOWERED_INTERACTIONS:
         raise ValueError(
             f"ckpt_path {source}: model.interaction = {interaction!r} has no plain-torch serving graph "
             f"(the pt2 export lowers {', '.join(LOWERED_INTERACTIONS)})"
         )
+    problems = [] if layout is None else unlowered_features(layout)
+    if problems:
+        more = f" (and {len(problems) - 1} more: {', '.join(name for name, _ in problems[1:])})" if len(problems) > 1 else ""
+        name, why = problems[0]
+        raise ValueError(f"ckpt_path {source} has no pt2 serving graph: feature {name!r} {why}{more}")
+
+
+def unlowered_features(layout: dict[str, Any]) -> list[tuple[str, str]]:
+    """(feature, why) for each input of the training data the serving graph does not make as its reader made it."""
+    problems = []
+    for column in layout["dense"]:
+        transform = column.get("transform")
+        if transform is None:
+            problems.append((column["name"], "comes from NumPy days that do not record their dense transform (no metadata.json)"))
+        elif transform not in DENSE_TRANSFORMS:
+            problems.append((column["name"], f"has transform {transform!r}; the graph applies {', '.join(DENSE_TRANSFORMS)}"))
+    for column in layout["categorical"]:
+        problems += [(column["name"], why) for why in [_unlowered_ids(column, layout["format"])] if why]
+    return problems
+
+
+def _unlowered_ids(column: dict[str, Any], format: str) -> str | None:
+    """Why the graph cannot take this categorical feature's ids as the server has them (None: it can)."""
+    if format == "multi_hot":
+        return "comes from multi-hot days (several ids per row); the graph takes one id per feature and row"
+    if column.get("max_length"):
+        return (f"is a list column (max_length {column['max_length']}); the graph takes one id per feature and row, "
+                "not a list of ids and their pooled lookup")  # fmt: skip
+    ids = column.get("ids")
+    if ids == "string":
+        return ("has string ids, which the reader hashes (64-bit FNV-1a folded to 32 bits); the package takes integer "
+                "ids, so a server would have to hash each string that way before it, and the graph does not hash strings")  # fmt: skip
+    if ids == "contiguous":
+        return "comes from NumPy days whose ids a preprocessor's vocabulary mapped; the checkpoint does not hold that vocabulary"
+    if ids not in ("hex", "integer"):
+        return "comes from NumPy days that do not record how their ids were made (no metadata.json)"
+    return None
+
+
+@dataclass(frozen=True)
+class ServingInputs:
+    """The package's two inputs, as the training data's layout names them."""
+
+    dense_name: str  # dense_counts (Criteo's integer counts, int64) or dense_values (a schema's columns, float64)
+    dense_dtype: torch.dtype
+    dense_features: list[str]
+    dense_transforms: list[str]
+    dense_fills: list[float | None]
+    id_features: list[str]
+    id_kinds: list[str]
+
+    @classmethod
+    def of(cls, layout: dict[str, Any]) -> "ServingInputs":
+        dense, categorical = layout["dense"], layout["categorical"]
+        counts = layout["format"] != "parquet"  # Criteo's integer counts; a schema's columns may be fractional
+        return cls(
+            DENSE_INPUT if counts else DENSE_VALUES_INPUT, torch.int64 if counts else torch.float64,
+            [c["name"] for c in dense], [c["transform"] for c in dense], [c.get("fill") for c in dense],
+            [c["name"] for c in categorical], [c.get("ids") or "hex" for c in categorical],
+        )  # fmt: skip
+
+
+def model_tables(saved: SavedWeights) -> tuple[list[str], list[str], list[int]]:
+    """The model's tables in order (their names as the data names them, and their state-dict keys) and each
+    feature's table: a schema's (``model.features``: tables in the order features first name them,
+    possibly shared), else Criteo's C1.., one each, as many as the checkpoint holds."""
+    features = saved.hyper_parameters.get("features")
+    if features:
+        names: list[str] = []
+        for feature in features["categorical"]:
+            if (feature.get("table") or feature["name"]) not in names:
+                names.append(feature.get("table") or feature["name"])
+        feature_tables = [names.index(f.get("table") or f["name"]) for f in features["categorical"]]
+        return names, [_weight_key(name) for name in names], feature_tables
+    keys = [_weight_key(feature) for feature in DEFAULT_CAT_NAMES]  # C1..C26 in the model's names
+    count = next((j for j, key in enumerate(keys) if key not in saved.state_dict), len(keys))
+    return list(SPARSE_NAMES[:count]), keys[:count], list(range(count))
+
+
+def _weight_key(table: str) -> str:
+    return f"{_TABLE_PREFIX}{table_name(table)}.weight"
 
 
 def serving_tables(saved: SavedWeights, quantize: str, report=print) -> list[torch.Tensor | RowWiseInt8]:
-    """The tables in feature order, row-wise INT8 where ``quantize`` asks and a table is large enough."""
-    tables = []
-    for feature in DEFAULT_CAT_NAMES:  # the model's names of C1..C26, in order
-        weight = saved.state_dict.get(f"{_TABLE_PREFIX}{table_name(feature)}.weight")
-        if weight is None:
-            break
-        tables.append(weight)
+    """The tables in the model's order, row-wise INT8 where ``quantize`` asks and a table is large enough."""
+    names, keys, _ = model_tables(saved)
+    tables = [saved.state_dict[key] for key in keys]
     small = []
     if quantize == "int8":
-        small = [SPARSE_NAMES[j] for j, weight in enumerate(tables) if weight.shape[0] < MIN_QUANTIZED_ROWS]
+        small = [names[j] for j, weight in enumerate(tables) if weight.shape[0] < MIN_QUANTIZED_ROWS]
         tables = [weight if weight.shape[0] < MIN_QUANTIZED_ROWS else RowWiseInt8.of(weight) for weight in tables]
     if small:
         report(
@@ -103,29 +182,37 @@ def serving_tables(saved: SavedWeights, quantize: str, report=print) -> list[tor
 
 
 def build_serving_module(saved: SavedWeights, quantize: str, source: Path, report=print) -> ServingDLRM:
-    """The plain-torch serving module of a saved model (the trained dense parts, the tables, the id mapping)."""
-    check_lowerable(saved.hyper_parameters, source)
+    """The plain-torch serving module of a saved model (the trained dense parts, the tables, the id mapping,
+    the dense transforms of its data); its ``inputs`` say what the package takes."""
+    check_lowerable(saved.hyper_parameters, source, saved.data_layout)
     tables = serving_tables(saved, quantize, report)
     if not tables:
         raise ValueError(f"ckpt_path {source} holds no embedding table under {_TABLE_PREFIX}")
-    sizes = [int((t.codes if isinstance(t, RowWiseInt8) else t).shape[0]) for t in tables]
+    _, _, feature_tables = model_tables(saved)
+    sizes = [int((t.codes if isinstance(t, RowWiseInt8) else t).shape[0]) for t in (tables[k] for k in feature_tables)]
     settings = dict(build_dlrm_arguments(saved.hyper_parameters), num_embeddings_per_feature=sizes, embedding_device="meta")
     trained = build_dlrm(**settings)
     for part in ("dense_arch", "inter_arch", "over_arch"):
         prefix = f"model.{part}."
         state = {k[len(prefix) :]: v for k, v in saved.state_dict.items() if k.startswith(prefix)}
         getattr(trained, part).load_state_dict(state)
-    vocabularies = saved.vocabulary_ids[: len(tables)] if saved.vocabulary_ids is not None else None
+    inputs = ServingInputs.of(saved.data_layout)
+    model_dense = len((saved.hyper_parameters.get("features") or {}).get("dense", [None] * NUM_DENSE))
+    if len(inputs.dense_features) > model_dense:
+        raise ValueError(f"ckpt_path {source}: its data has {len(inputs.dense_features)} dense features, its model takes {model_dense}")
+    vocabularies = saved.vocabulary_ids[: len(sizes)] if saved.vocabulary_ids is not None else None
     hp = saved.hyper_parameters
-    module = ServingDLRM(trained, tables, IdMapping(sizes, vocabularies), bool(hp.get("first_order")), bool(hp.get("second_order")))
+    module = ServingDLRM(trained, tables, feature_tables, IdMapping(sizes, vocabularies), bool(hp.get("first_order")),
+                         bool(hp.get("second_order")), inputs.dense_transforms, model_dense)  # fmt: skip
+    module.inputs = inputs
     return module.eval()
 
 
-def example_inputs(rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def example_inputs(inputs: ServingInputs, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    dense = torch.randint(0, 1000, (rows, NUM_DENSE), generator=generator, dtype=torch.int64)
-    sparse = torch.randint(0, 2**32, (rows, NUM_SPARSE), generator=generator, dtype=torch.int64)
-    return dense.to(device), sparse.to(device)
+    dense = torch.randint(0, 1000, (rows, len(inputs.dense_features)), generator=generator, dtype=torch.int64)
+    sparse = torch.randint(0, 2**32, (rows, len(inputs.id_features)), generator=generator, dtype=torch.int64)
+    return dense.to(inputs.dense_dtype).to(device), sparse.to(device)
 
 
 def export_program(module: ServingDLRM, device: torch.device) -> torch.export.ExportedProgram:
@@ -133,30 +220,40 @@ def export_program(module: ServingDLRM, device: torch.device) -> torch.export.Ex
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH_ROWS)
     with torch.no_grad():
         return torch.export.export(
-            module.to(device), example_inputs(8, device), dynamic_shapes=({0: batch}, {0: batch}), strict=False
+            module.to(device), example_inputs(module.inputs, 8, device), dynamic_shapes=({0: batch}, {0: batch}), strict=False
         )
 
 
-def contract(saved: SavedWeights, module: ServingDLRM, quantize: str, device: torch.device) -> dict[str, Any]:
-    """The serving contract: what the package takes and returns, and what made it."""
+def contract(saved: SavedWeights, module: ServingDLRM, quantize: str, device: torch.device, package_crc32: int) -> dict[str, Any]:
+    """The serving contract: what the package takes and returns, what made it, and the package's CRC-32
+    (checked by ServingPackage before loading)."""
     import lightning
     import torchrec
 
-    mapping = module.id_mapping
+    mapping, inputs = module.id_mapping, module.inputs
     id_mapping: dict[str, Any] = {"kind": mapping.kind, "table_sizes": mapping.table_sizes.tolist()}
     if mapping.kind == "vocabulary":
         id_mapping.update(frequency_threshold=saved.frequency_threshold, vocabulary_sizes=mapping.vocabulary_sizes)
+    dense_meaning = (
+        "raw integer counts as in the logs; a missing value is 0; each is transformed inside as 'transforms' says"
+        if inputs.dense_dtype == torch.int64
+        else "the columns' values as in the data; a missing value is the column's 'fills' entry; each is transformed inside as 'transforms' says"
+    )
     return {
         "format": CONTRACT_FORMAT,
+        "package_crc32": f"{package_crc32:08x}",
         "inputs": [
-            {"name": DENSE_INPUT, "dtype": "int64", "shape": ["batch", NUM_DENSE], "features": list(DENSE_NAMES),
-             "meaning": "raw integer counts as in the logs; a missing value is 0; log(max(x, 0) + 1) is applied inside"},
-            {"name": SPARSE_INPUT, "dtype": "int64", "shape": ["batch", NUM_SPARSE], "features": list(SPARSE_NAMES),
-             "meaning": "raw categorical ids (the hex id's integer value); a missing id is 0; mapped inside"},
+            {"name": inputs.dense_name, "dtype": str(inputs.dense_dtype).removeprefix("torch."),
+             "shape": ["batch", len(inputs.dense_features)], "features": inputs.dense_features,
+             "transforms": inputs.dense_transforms, "fills": inputs.dense_fills, "meaning": dense_meaning},
+            {"name": SPARSE_INPUT, "dtype": "int64", "shape": ["batch", len(inputs.id_features)], "features": inputs.id_features,
+             "ids": inputs.id_kinds, "meaning": "raw categorical ids (a hex id's integer value, an integer id as it is); "
+             "a missing id is 0; mapped inside"},
         ],  # fmt: skip
         "outputs": [{"name": "probability", "dtype": "float32", "shape": ["batch"]}],
         "batch_rows": {"min": 1, "max": MAX_BATCH_ROWS},
-        "features_used": list(SPARSE_NAMES[: module.num_features]),
+        "features_used": inputs.id_features[: module.num_features],
+        "data_format": saved.data_layout["format"],
         "id_mapping": id_mapping,
         "quantize": quantize,
         "device": device.type,
@@ -182,9 +279,10 @@ def export_pt2(source: Path, target: Path, quantize: str = "none", device: str |
     with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as partial_dir:
         partial = Path(partial_dir) / target.name
         torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=COMPILE_SETTINGS)
+        crc = file_crc32(partial)
         os.replace(partial, target)
     contract_file = contract_path(target)
-    contract_file.write_text(json.dumps(contract(saved, module, quantize, run_on), indent=1) + "\n")
+    contract_file.write_text(json.dumps(contract(saved, module, quantize, run_on, crc), indent=1) + "\n")
     seconds = time.perf_counter() - started
     print(f"exported {source} as {target} ({target.stat().st_size / 2**20:.1f} MiB, {run_on.type}, "
           f"{quantize}, compiled in {seconds:.0f} s) with its contract {contract_file}")  # fmt: skip

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from app.checkpoint.export import EXPORT_FORMAT, is_exported_model
+from app.checkpoint.export import EXPORT_FORMAT, check_export_intact, is_exported_model
 from app.checkpoint.format import CheckpointInfo
 from app.checkpoint.format import read as read_checkpoint
 from app.checkpoint.vocabulary import data_module_state
@@ -55,6 +55,7 @@ def read_saved_model(path: str | os.PathLike) -> SavedModel:
 
 
 def _read_exported(path: Path) -> SavedModel:
+    check_export_intact(path)  # before any of it is read: a damaged file refused naming it
     try:
         # Memory-mapped: only the small entries are read here, not the tables.
         contents = torch.load(path, map_location="cpu", weights_only=True, mmap=True)

@@ -3,15 +3,18 @@ log values to click probabilities, ready for ``torch.export``.
 
 What the graph does, matching the data road and the model exactly:
 
-* dense: the 13 raw integer counts (int64, a missing value sent as 0) become ``log(max(x, 0) + 1)``,
-  computed in float64 and rounded once to float32, as the TSV decoder does (app/data/tsv_decode.py);
-* ids: the 26 raw integer ids (the hex id's value, a missing one sent as 0) are mapped as training mapped
+* dense: each raw value becomes the model's feature as its reader made it (``log(max(x, 0) + 1)`` for
+  Criteo's counts, ``log(max(x, -2) + 3)``, or the value itself for a schema's ``transform: none``),
+  computed in float64 and rounded once to float32, as the readers do (app/data/tsv_decode.py,
+  app/data/parquet/reader.py);
+* ids: the raw integer ids (the hex id's value, a missing one sent as 0) are mapped as training mapped
   them: hashed, ``id mod table size``; or, with ``data.frequency_threshold``, by a binary search in the
   sorted vocabulary (``torch.searchsorted``): a kept id to its position + 2, any other to 1 (the
   out-of-vocabulary row), then ``mod table size`` (app/data/preprocess/vocabulary.py);
-* lookups: one ``embedding`` gather over the tables stacked into one weight (row offsets per feature), no
-  FBGEMM or TorchRec; INT8 tables are stored row-wise (uint8 codes, a per-row fp16 scale and uint8 zero
-  point) and dequantised in the graph after the gather;
+* lookups: one ``embedding`` gather per group of tables of one width stacked into one weight (row
+  offsets per feature; features may share a table), no FBGEMM or TorchRec; INT8 tables are stored
+  row-wise (uint8 codes, a per-row fp16 scale and uint8 zero point) and dequantised in the graph after
+  the gather;
 * the dense, interaction and top parts are the trained model's own modules (TorchRec's are plain torch),
   and the factorization machine's terms are added as ``FactorizationMachineTerms`` adds them.
 """
@@ -95,54 +98,82 @@ class IdMapping(nn.Module):
 
 
 class StackedTables(nn.Module):
-    """The F tables as one float32 weight and one INT8 weight (either may hold no table): lookups gather
-    each group's rows at once, then put the features back in their order -> (B, F, D)."""
+    """The tables grouped by width and kind (float32 or INT8), each group stacked into one weight: a lookup
+    gathers a group's rows at once, then the features are put back in their order -> (B, F, D), or with
+    tables of several widths (the ``cat`` interaction's) their embeddings side by side -> (B, sum of widths).
 
-    def __init__(self, tables: Sequence[torch.Tensor | RowWiseInt8]) -> None:
+    ``feature_tables[j]``: the table of feature j (features may share a table)."""
+
+    def __init__(self, tables: Sequence[torch.Tensor | RowWiseInt8], feature_tables: Sequence[int]) -> None:
         super().__init__()
-        dense_group = [j for j, t in enumerate(tables) if not isinstance(t, RowWiseInt8)]
-        int8_group = [j for j, t in enumerate(tables) if isinstance(t, RowWiseInt8)]
-        self.groups = (dense_group, int8_group)
-        order = dense_group + int8_group  # features as the two gathers return them
-        self.register_buffer("feature_order", torch.tensor([order.index(j) for j in range(len(tables))]), persistent=False)
-        self.register_buffer("float_offsets", self._offsets([tables[j].shape[0] for j in dense_group]), persistent=False)
-        self.register_buffer("int8_offsets", self._offsets([tables[j].codes.shape[0] for j in int8_group]), persistent=False)
-        if dense_group:
-            self.register_buffer("float_weight", torch.cat([tables[j].float() for j in dense_group]), persistent=False)
-        if int8_group:
-            self.register_buffer("int8_codes", torch.cat([tables[j].codes for j in int8_group]), persistent=False)
-            self.register_buffer("int8_scale", torch.cat([tables[j].scale for j in int8_group]), persistent=False)
-            self.register_buffer("int8_zero_point", torch.cat([tables[j].zero_point for j in int8_group]), persistent=False)
+        kinds = [(int(_codes(t).shape[1]), isinstance(t, RowWiseInt8)) for t in tables]
+        self.groups: list[tuple[bool, list[int]]] = []  # per group: INT8 or not, its features in order
+        for kind in sorted(set(kinds)):
+            members = [t for t in range(len(tables)) if kinds[t] == kind]
+            offsets = dict(zip(members, self._offsets([_codes(tables[t]).shape[0] for t in members])))
+            features = [j for j, t in enumerate(feature_tables) if kinds[t] == kind]
+            g = len(self.groups)
+            self.groups.append((kind[1], features))
+            self.register_buffer(f"offsets_{g}", torch.tensor([offsets[feature_tables[j]] for j in features]), persistent=False)
+            if kind[1]:
+                for part in ("codes", "scale", "zero_point"):
+                    stacked = torch.cat([getattr(tables[t], part) for t in members])
+                    self.register_buffer(f"{part}_{g}", stacked, persistent=False)
+            else:
+                self.register_buffer(f"weight_{g}", torch.cat([tables[t].float() for t in members]), persistent=False)
+        order = [j for _, features in self.groups for j in features]  # features as the gathers return them
+        self.feature_order = [order.index(j) for j in range(len(feature_tables))]
+        self.one_width = len({kind[0] for kind in kinds}) == 1
 
     @staticmethod
-    def _offsets(rows: list[int]) -> torch.Tensor:
-        return torch.tensor([sum(rows[:j]) for j in range(len(rows))], dtype=torch.int64)
+    def _offsets(rows: list[int]) -> list[int]:
+        return [sum(rows[:j]) for j in range(len(rows))]
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        dense_group, int8_group = self.groups
         parts = []
-        if dense_group:
-            parts.append(nn.functional.embedding(rows[:, dense_group] + self.float_offsets, self.float_weight))
-        if int8_group:
-            index = rows[:, int8_group] + self.int8_offsets
-            codes = nn.functional.embedding(index, self.int8_codes).float()
-            scale = nn.functional.embedding(index, self.int8_scale).float()
-            zero_point = nn.functional.embedding(index, self.int8_zero_point).float()
+        for g, (int8, features) in enumerate(self.groups):
+            index = rows[:, features] + getattr(self, f"offsets_{g}")
+            if not int8:
+                parts.append(nn.functional.embedding(index, getattr(self, f"weight_{g}")))
+                continue
+            codes = nn.functional.embedding(index, getattr(self, f"codes_{g}")).float()
+            scale = nn.functional.embedding(index, getattr(self, f"scale_{g}")).float()
+            zero_point = nn.functional.embedding(index, getattr(self, f"zero_point_{g}")).float()
             parts.append((codes - zero_point) * scale)
-        pooled = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        return pooled if not (dense_group and int8_group) else pooled[:, self.feature_order]
+        if self.one_width:
+            pooled = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            return pooled if self.feature_order == list(range(len(self.feature_order))) else pooled[:, self.feature_order]
+        by_feature = [column for part in parts for column in part.unbind(dim=1)]  # several widths: (B, D_j) each
+        return torch.cat([by_feature[k] for k in self.feature_order], dim=1)
+
+
+def _codes(table: torch.Tensor | RowWiseInt8) -> torch.Tensor:
+    return table.codes if isinstance(table, RowWiseInt8) else table
+
+
+# How a dense input becomes the model's float32 feature, in float64 then rounded once, as the readers do
+# (app/data/tsv_decode.py, app/data/parquet/reader.py).
+DENSE_TRANSFORMS = ("log1p", "log_plus_3", "none")
 
 
 class ServingDLRM(nn.Module):
-    """(dense counts (B, 13) int64, raw ids (B, 26) int64) -> click probabilities (B,) float32."""
+    """(dense inputs (B, I), raw ids (B, C) int64) -> click probabilities (B,) float32.
+
+    ``dense_transforms``: one of DENSE_TRANSFORMS per dense input. The model may take more inputs than the
+    data gave (a data schema's model of Criteo's shape): the rest are the constants the reader fills in,
+    dense 0 and raw id 0; of more ids than it has tables, it takes the first.
+    """
 
     def __init__(
         self,
         trained: nn.Module,
         tables: Sequence[torch.Tensor | RowWiseInt8],
+        feature_tables: Sequence[int],
         id_mapping: IdMapping,
         first_order: bool,
         second_order: bool,
+        dense_transforms: Sequence[str],
+        model_dense_inputs: int,
     ) -> None:
         super().__init__()
         self.dense_arch = copy.deepcopy(trained.dense_arch)
@@ -154,15 +185,45 @@ class ServingDLRM(nn.Module):
             last.weight, last.bias = layers[-1].weight, layers[-1].bias
             layers[-1] = last
         self.id_mapping = id_mapping
-        self.tables = StackedTables(tables)
-        self.num_features = len(tables)
+        self.tables = StackedTables(tables, feature_tables)
+        self.num_features = len(feature_tables)
         self.first_order, self.second_order = first_order, second_order
+        self.transforms = set(dense_transforms)
+        for name in DENSE_TRANSFORMS:
+            mask = torch.tensor([t == name for t in dense_transforms], dtype=torch.bool)
+            self.register_buffer(f"{name}_columns", mask, persistent=False)
+        self.dense_padding = model_dense_inputs - len(dense_transforms)
+
+    def dense_features(self, dense: torch.Tensor) -> torch.Tensor:
+        """The dense inputs transformed as the reader transforms them, then the constant 0 of the inputs
+        no column filled."""
+        values = dense.to(torch.float64)
+        transformed = {
+            "log1p": lambda: torch.log1p(values.clamp_min(0.0)),
+            "log_plus_3": lambda: torch.log(values.clamp_min(-2.0) + 3.0),
+            "none": lambda: values,
+        }
+        if len(self.transforms) == 1:  # one transform for every column (Criteo's): no selection
+            features = transformed[next(iter(self.transforms))]()
+        else:
+            features = values
+            for name in sorted(self.transforms - {"none"}):
+                features = torch.where(getattr(self, f"{name}_columns"), transformed[name](), features)
+        features = features.to(torch.float32)
+        if self.dense_padding:
+            features = torch.cat([features, features.new_zeros(features.shape[0], self.dense_padding)], dim=1)
+        return features
+
+    def raw_ids(self, sparse: torch.Tensor) -> torch.Tensor:
+        """The ids of the model's features: the first ones given, then raw id 0 for those no column filled."""
+        given = sparse[:, : self.num_features]
+        missing = self.num_features - given.shape[1]
+        return given if missing <= 0 else torch.cat([given, given.new_zeros(given.shape[0], missing)], dim=1)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        dense_features = torch.log1p(dense.clamp_min(0).to(torch.float64)).to(torch.float32)
-        rows = self.id_mapping(sparse[:, : self.num_features])
-        embedded = self.tables(rows)  # (B, F, D)
-        features = self.inter_arch(dense_features=self.dense_arch(dense_features), sparse_features=embedded)
+        rows = self.id_mapping(self.raw_ids(sparse))
+        embedded = self.tables(rows)  # (B, F, D), or (B, sum of widths) for tables of several widths
+        features = self.inter_arch(dense_features=self.dense_arch(self.dense_features(dense)), sparse_features=embedded)
         logits = self.over_arch(features)
         if self.first_order:
             logits = logits + embedded[:, :, 0].sum(dim=1, keepdim=True)

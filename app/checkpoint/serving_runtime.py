@@ -15,6 +15,7 @@ only, and an id beyond int64 would otherwise wrap silently in a numpy conversion
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from typing import Any
 import torch
 
 CONTRACT_FORMAT = "app.serving-contract/1"
-DENSE_INPUT = "dense_counts"
+DENSE_INPUT = "dense_counts"  # Criteo's integer counts, int64
+DENSE_VALUES_INPUT = "dense_values"  # a data schema's dense columns, float64
 SPARSE_INPUT = "raw_ids"
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -42,6 +44,29 @@ def read_contract(package: str | Path) -> dict[str, Any]:
     if contract.get("format") != CONTRACT_FORMAT:
         raise ValueError(f"{path}: format {contract.get('format')!r}, expected {CONTRACT_FORMAT!r}")
     return contract
+
+
+def file_crc32(path: str | Path, chunk_bytes: int = 1 << 22) -> int:
+    """The CRC-32 of a file's bytes (zlib's, as ``zipfile`` and the checkpoints' shards use), read in chunks."""
+    crc = 0
+    with open(path, "rb") as file:
+        while chunk := file.read(chunk_bytes):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def check_package_intact(package: str | Path, contract: dict[str, Any]) -> None:
+    """Refuses a package whose bytes are not those its contract records (bit rot, a cut copy), in one line
+    naming the file; a contract without a checksum (an older export) is not checked."""
+    recorded = contract.get("package_crc32")
+    if recorded is None:
+        return
+    found = file_crc32(package)
+    if found != int(recorded, 16):
+        raise ValueError(
+            f"{package}: damaged (CRC-32 {found:08x}, its contract {contract_path(package).name} records {recorded}); "
+            "export it again"
+        )
 
 
 def as_int64(values: Any, name: str) -> torch.Tensor:
@@ -64,6 +89,27 @@ def as_int64(values: Any, name: str) -> torch.Tensor:
         raise ValueError(f"input {name}: a value is outside int64 ({_INT64_MIN} to {_INT64_MAX}): {error}") from None
     except TypeError as error:
         raise ValueError(f"input {name}: not integers: {error}") from None
+
+
+def as_float64(values: Any, name: str) -> torch.Tensor:
+    """``values`` (a float64 tensor, or a numpy array or nested lists of numbers) as a float64 tensor; a
+    ValueError naming ``name`` for other tensor dtypes and for values that are not numbers."""
+    if isinstance(values, torch.Tensor):
+        if values.dtype != torch.float64:
+            raise ValueError(f"input {name}: dtype {values.dtype}, expected torch.float64")
+        return values
+    dtype = getattr(values, "dtype", None)
+    if dtype is not None and getattr(dtype, "kind", "") not in "iuf":
+        raise ValueError(f"input {name}: dtype {dtype}, expected numbers")
+    try:
+        return torch.as_tensor(values, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"input {name}: not numbers: {error}") from None
+
+
+def as_input(values: Any, spec: dict[str, Any]) -> torch.Tensor:
+    """``values`` as the tensor the contract's input ``spec`` names (int64 or float64), checked."""
+    return as_float64(values, spec["name"]) if spec["dtype"] == "float64" else as_int64(values, spec["name"])
 
 
 def check_inputs(contract: dict[str, Any], inputs: Sequence[torch.Tensor]) -> None:
@@ -104,19 +150,21 @@ def read_tsv_rows(path: str | Path, labelled: bool = True) -> tuple[torch.Tensor
 
 
 class ServingPackage:
-    """A loaded package and its contract: ``score(dense_counts, raw_ids)`` -> click probabilities (B,)."""
+    """A loaded package and its contract: ``score(dense, raw_ids)`` -> click probabilities (B,)."""
 
     def __init__(self, package: str | Path, device: str | None = None) -> None:
         self.path = Path(package)
         self.contract = read_contract(self.path)
+        check_package_intact(self.path, self.contract)  # before torch reads a byte of it
         self.device = torch.device(device or self.contract["device"])
         # torch's own error if the package was made by another torch version; the contract names that version.
         self.model = torch._inductor.aoti_load_package(str(self.path))
 
-    def score(self, dense_counts: Any, raw_ids: Any) -> torch.Tensor:
-        """Click probabilities (B,) float32 on the CPU for B rows of raw counts and raw ids (checked, then run
-        on the package's device)."""
-        inputs = [as_int64(dense_counts, DENSE_INPUT), as_int64(raw_ids, SPARSE_INPUT)]
+    def score(self, dense: Any, raw_ids: Any) -> torch.Tensor:
+        """Click probabilities (B,) float32 on the CPU for B rows of dense inputs (Criteo's raw counts, int64;
+        a data schema's column values, float64: the contract's first input) and raw ids (checked, then run on
+        the package's device)."""
+        inputs = [as_input(values, spec) for values, spec in zip((dense, raw_ids), self.contract["inputs"])]
         check_inputs(self.contract, inputs)
         with torch.no_grad():
             return self.model(*(tensor.to(self.device) for tensor in inputs)).cpu()

@@ -12,6 +12,7 @@ import torch
 from app.checkpoint.export import EXPORT_FORMAT, plain_hyper_parameters
 from app.checkpoint.serving_runtime import read_tsv_rows
 from app.data.datamodule import CriteoDataModule
+from app.data.layout import DATA_LAYOUT_KEY
 from app.data.preprocess import Vocabulary
 from app.data.preprocess.vocabulary import vocabulary_sha256
 from app.model.dlrm import build_dlrm, build_dlrm_arguments
@@ -32,8 +33,12 @@ def counted_vocabulary(train: Path, threshold: int) -> Vocabulary:
     return Vocabulary(threshold, kept, vocabulary_sha256(kept))
 
 
-def write_model_file(path: Path, table_sizes: list[int], seed: int, vocabulary: Vocabulary | None = None, **settings) -> Path:
-    """A model file as ``python -m app export`` writes it, its weights drawn from ``seed``."""
+def write_model_file(
+    path: Path, table_sizes: list[int], seed: int, vocabulary: Vocabulary | None = None, data_layout: dict | None = None,
+    **settings,
+) -> Path:
+    """A model file as ``python -m app export`` writes it, its weights drawn from ``seed``; with ``data_layout``
+    the layout of the data it was trained on (app/data/layout.py; without: Criteo's TSV, as older exports)."""
     module = DLRMModule(embedding_dim=EMBEDDING_DIM, num_embeddings_per_feature=table_sizes, dense_arch_layer_sizes=[16, 8],
                         over_arch_layer_sizes=[16, 1], first_order=True, second_order=True,
                         sparse_optimizer="adagrad", sparse_learning_rate=0.03, **settings)  # as configs/demo.yaml  # fmt: skip
@@ -49,8 +54,11 @@ def write_model_file(path: Path, table_sizes: list[int], seed: int, vocabulary: 
         "hyper_parameters": plain_hyper_parameters(dict(module.hparams), path),
         "state_dict": {f"model.{k}": v for k, v in model.state_dict().items()},
     }
-    if vocabulary is not None:
-        contents[CriteoDataModule.__name__] = {"frequency_threshold": vocabulary.threshold, "vocabulary": vocabulary.to_plain()}
+    data_state = {} if vocabulary is None else {"frequency_threshold": vocabulary.threshold, "vocabulary": vocabulary.to_plain()}
+    if data_layout is not None:
+        data_state[DATA_LAYOUT_KEY] = data_layout
+    if data_state:
+        contents[CriteoDataModule.__name__] = data_state
     torch.save(contents, path)
     return path
 

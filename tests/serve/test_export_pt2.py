@@ -103,7 +103,7 @@ def test_int8_tables_keep_the_auc_of_float32_and_small_tables_stay_float32(serve
     messages: list[str] = []
     hashed = build_serving_module(read_saved_weights(served["hashed"]), "int8", served["hashed"], report=messages.append)
     assert messages == [f"int8: 2 table(s) under {MIN_QUANTIZED_ROWS} rows stay float32 (too small to quantise usefully): C1, C2"]
-    assert hashed.tables.groups == ([0, 1], list(range(2, 26)))
+    assert hashed.tables.groups == [(False, [0, 1]), (True, list(range(2, 26)))]  # (INT8, its features)
 
 
 def test_row_wise_int8_is_within_a_step_of_each_row_and_keeps_zero_exact():
@@ -137,6 +137,19 @@ def test_bad_input_is_refused_naming_the_input(served, dense, ids, message):
     package = ServingPackage(served["package"])
     with pytest.raises(ValueError, match=re.escape(message)):
         package.score(dense, ids)
+
+
+def test_a_damaged_package_is_refused_naming_it_before_torch_loads_it(served, tmp_path):
+    package = tmp_path / "hashed.pt2"
+    shutil.copyfile(served["package"], package)
+    shutil.copyfile(served["folder"] / "hashed.contract.json", tmp_path / "hashed.contract.json")
+    recorded = json.loads((tmp_path / "hashed.contract.json").read_text())["package_crc32"]
+    data = bytearray(package.read_bytes())  # 64 bytes inverted in the middle, the size unchanged
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(b ^ 0xFF for b in data[len(data) // 2 : len(data) // 2 + 64])
+    package.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=re.escape(f"{package}: damaged (CRC-32 ")) as refused:
+        ServingPackage(package)
+    assert f"its contract hashed.contract.json records {recorded}" in str(refused.value)
 
 
 def test_a_model_the_export_cannot_lower_is_refused_naming_the_setting(tmp_path):
