@@ -99,10 +99,12 @@ class IdMapping(nn.Module):
 
 class StackedTables(nn.Module):
     """The tables grouped by width and kind (float32 or INT8), each group stacked into one weight: a lookup
-    gathers a group's rows at once, then the features are put back in their order -> (B, F, D), or with
+    gathers a group's rows at once, then the features are put in the model's order -> (B, F, D), or with
     tables of several widths (the ``cat`` interaction's) their embeddings side by side -> (B, sum of widths).
 
-    ``feature_tables[j]``: the table of feature j (features may share a table)."""
+    ``feature_tables[j]``: the table of input feature j (features may share a table). The model's order is
+    TorchRec's ``SparseArch``'s: table by table, each table's features in input order (the input order
+    itself where every feature has its own table)."""
 
     def __init__(self, tables: Sequence[torch.Tensor | RowWiseInt8], feature_tables: Sequence[int]) -> None:
         super().__init__()
@@ -122,7 +124,8 @@ class StackedTables(nn.Module):
             else:
                 self.register_buffer(f"weight_{g}", torch.cat([tables[t].float() for t in members]), persistent=False)
         order = [j for _, features in self.groups for j in features]  # features as the gathers return them
-        self.feature_order = [order.index(j) for j in range(len(feature_tables))]
+        model_order = sorted(range(len(feature_tables)), key=lambda j: feature_tables[j])
+        self.feature_order = [order.index(j) for j in model_order]
         self.one_width = len({kind[0] for kind in kinds}) == 1
 
     @staticmethod

@@ -39,9 +39,10 @@ def write_model_file(
 ) -> Path:
     """A model file as ``python -m app export`` writes it, its weights drawn from ``seed``; with ``data_layout``
     the layout of the data it was trained on (app/data/layout.py; without: Criteo's TSV, as older exports)."""
-    module = DLRMModule(embedding_dim=EMBEDDING_DIM, num_embeddings_per_feature=table_sizes, dense_arch_layer_sizes=[16, 8],
-                        over_arch_layer_sizes=[16, 1], first_order=True, second_order=True,
-                        sparse_optimizer="adagrad", sparse_learning_rate=0.03, **settings)  # as configs/demo.yaml  # fmt: skip
+    arguments = dict(embedding_dim=EMBEDDING_DIM, num_embeddings_per_feature=table_sizes, dense_arch_layer_sizes=[16, 8],
+                     over_arch_layer_sizes=[16, 1], first_order=True, second_order=True,
+                     sparse_optimizer="adagrad", sparse_learning_rate=0.03)  # as configs/demo.yaml  # fmt: skip
+    module = DLRMModule(**{**arguments, **settings})
     torch.manual_seed(seed)
     model = build_dlrm(**build_dlrm_arguments(dict(module.hparams)), embedding_device="cpu")
     with torch.no_grad():  # TorchRec's default draws are tiny: spread them so that predictions differ row to row

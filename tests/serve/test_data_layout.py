@@ -82,6 +82,31 @@ def test_transform_none_and_integer_ids_are_lowered_and_the_contract_names_the_c
     assert inputs[0]["transforms"] == ["log1p", "none", "none"] and inputs[0]["fills"] == [0.0, 0.0, -1.0]
 
 
+def test_a_model_of_the_schemas_features_shared_tables_and_dims_is_lowered(tmp_path):
+    schema = ParquetSchema(
+        dense=[DenseColumn("price", "none", 0.0), DenseColumn("clicks_7d", "log1p", 0.0)],
+        categorical=[CategoricalColumn("item", "integer", table="items", pooling="mean"),
+                     CategoricalColumn("shop", "hex", dim=4), CategoricalColumn("last_item", "integer", table="items")],
+    )  # fmt: skip
+    features = schema.model_features()
+    path = write_model_file(tmp_path / "schema.pt", [300, 50, 300], seed=8, data_layout=training_layout("parquet", (), schema, "log1p"),
+                            interaction="cat", first_order=False, second_order=False, features=features)  # fmt: skip
+    saved = read_saved_weights(path)
+    serving = build_serving_module(saved, "none", path)
+    generator = torch.Generator().manual_seed(1)
+    dense = torch.randn(40, 2, generator=generator, dtype=torch.float64) * 5
+    ids = torch.randint(0, 2**32, (40, 3), generator=generator)
+    model = build_dlrm(**build_dlrm_arguments(saved.hyper_parameters), embedding_device="cpu")
+    model.load_state_dict({k.removeprefix("model."): v for k, v in saved.state_dict.items()})
+    rows = torch.remainder(ids, torch.tensor([300, 50, 300]))
+    kjt = KeyedJaggedTensor.from_lengths_sync(["item", "shop", "last_item"], rows.T.flatten(), torch.ones(rows.numel(), dtype=torch.int32))
+    dense_features = torch.stack([dense[:, 0], torch.log1p(dense[:, 1].clamp_min(0))], dim=1).float()
+    with torch.no_grad():
+        expected = torch.sigmoid(model(dense_features, kjt).squeeze(-1))
+        torch.testing.assert_close(serving(dense, ids), expected, rtol=0, atol=1e-6)
+    assert serving.tables.groups == [(False, [1]), (False, [0, 2])]  # by width: shop's 4, then the shared items' 8
+
+
 @pytest.mark.parametrize(
     ("layout", "message"),
     [
