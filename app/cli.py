@@ -28,6 +28,7 @@ from app.checkpoint.preemption import SaveOnSignal
 from app.checkpoint.run_checkpoint import RunCheckpoint
 from app.checkpoint.run_folder import LAST, checkpoint_run_folder, fit_run_folder, last_checkpoint
 from app.checkpoint.saved_model import SavedModel, read_saved_model, settings_from_checkpoint
+from app.command import exit_on_bad_config_files
 from app.data.datamodule import CriteoDataModule
 from app.distributed.health import RankHealth
 from app.distributed.strategy import TorchRecStrategy
@@ -233,6 +234,7 @@ def run_cli(model_class: type, args: list[str] | None = None) -> DLRMCLI:
     """``DLRMCLI`` with ``model_class`` as the model (the DLRM, or the quality bench's baseline: each names its
     ``RUN_SETTINGS``, the hyper-parameters a later run may change without changing the model) and the app's
     defaults; a bad setting or file ends the command with one ``error:`` line and exit status 2."""
+    exit_on_bad_config_files(sys.argv[1:] if args is None else args)  # a YAML error names its file, line, column
     try:
         return DLRMCLI(
             model_class,

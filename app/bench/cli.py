@@ -39,6 +39,7 @@ from app.bench.dataset import GROUP_DESCRIPTION, GROUP_TITLE, SKIPPED_SETTINGS, 
 from app.bench.launch import run_on_ranks
 from app.bench.measure import BUSY_FIELDS, gpu_busy, growth_over_expected, step_statistics
 from app.bench.settings import BenchSpec, RunSettings, app_precision, check_can_run, check_run_settings, split_variant
+from app.command import exit_on_bad_config_files
 from app.train.precision import FLOAT32
 from app.data.datamodule import CriteoDataModule
 from app.distributed.strategy import TorchRecStrategy
@@ -111,8 +112,9 @@ def spec_from(config: Namespace) -> BenchSpec:
 def main(args: list[str] | None = None) -> list[dict[str, Any]]:
     """Runs the benchmark; prints and returns the JSON lines."""
     try:
-        parser = build_parser()
-        config = parser.parse_args(expand_presets(sys.argv[1:] if args is None else args))
+        expanded = expand_presets(sys.argv[1:] if args is None else args)
+        exit_on_bad_config_files(expanded)  # a YAML error names its file, line and column
+        config = build_parser().parse_args(expanded)
         spec = spec_from(config)
         check_can_run(spec)  # before any process starts
     except ValueError as error:

@@ -99,6 +99,37 @@ def test_bad_settings_stop_before_any_worker_with_one_line(args, message, sample
     assert relaunched == [], "a worker was started before the setting was refused"
 
 
+BAD_YAML = {  # a config's text, where the parser stopped (line:column), and a part of its problem
+    "tab.yaml": ("trainer:\n\tmax_steps: 3\n", "2:1", "cannot start any token (a tab: YAML indents with spaces)"),
+    "unclosed.yaml": ("model:\n  dense_arch_layer_sizes: [64, 16\n", "3:1", "',' or ']'"),
+    "tag.yaml": ("model: !!python/object/apply:os.system [echo]\n", "1:8", "could not determine a constructor for the tag"),
+    "missing.yaml": (None, None, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_YAML))
+@pytest.mark.parametrize("command", ["fit", "validate", "predict", "bench", "preprocess"])
+def test_a_config_that_is_not_yaml_is_named_with_line_and_column_in_one_line(command, name, tmp_path, capsys):
+    from app.bench.cli import main as bench_main
+    from app.data.preprocess.cli import main as preprocess_main
+
+    config = tmp_path / name
+    text, where, problem = BAD_YAML[name]
+    if text is not None:
+        config.write_text(text)
+    args = ["--config", str(config)]
+    commands = {"bench": lambda: bench_main(args), "preprocess": lambda: preprocess_main(args)}
+    with pytest.raises(SystemExit) as exit_info:
+        commands.get(command, lambda: cli_main([command, *args]))()
+    assert exit_info.value.code == 2
+    # One line naming the file, line and column: no usage, no "<unicode string>", no traceback hint.
+    err = capsys.readouterr().err.splitlines()
+    if text is None:
+        assert err == [f"error: --config {config}: no such file"]
+    else:
+        assert len(err) == 1 and err[0].startswith(f"error: {config}:{where}: ") and problem in err[0], err
+
+
 def _child_processes() -> list[str]:
     """Command lines of this process's living children (Linux /proc; e.g. multiprocessing's resource
     tracker, which earlier tests leave running)."""
