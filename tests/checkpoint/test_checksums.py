@@ -7,8 +7,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
-from app.checkpoint.checksums import DamagedCheckpointError
+from app.checkpoint.checksums import ChecksummingFileSystemWriter, DamagedCheckpointError, file_crc32
 from app.checkpoint.format import read as read_checkpoint
 from app.checkpoint.run_folder import last_checkpoint
 from app.cli import cli_main
@@ -61,3 +63,23 @@ def test_a_flipped_shard_is_refused_naming_it_and_last_falls_back(checkpoint_wri
     _flip(folder / "step=8.ckpt" / ".metadata")
     with pytest.raises(FileNotFoundError, match="no other checkpoint in .* is intact"):
         last_checkpoint(str(folder), fitting=False)
+
+
+@pytest.mark.parametrize(
+    ("state", "hashed_as_written"),
+    [
+        ({"table": torch.randn(3000, 128, generator=torch.Generator().manual_seed(0)), "bias": torch.zeros(7)}, True),
+        ({f"layer_{i}": torch.full((10, 4), float(i)) for i in range(20)}, False),
+    ],
+    ids=["large_tensors_hashed_as_written", "small_tensors_read_back"],
+)
+def test_the_checksums_computed_during_the_save_are_those_of_the_files_written(state, hashed_as_written, tmp_path):
+    writer = ChecksummingFileSystemWriter(tmp_path / "checkpoint")
+    dcp.save(state, storage_writer=writer)
+    assert writer.fs.hash_while_writing is hashed_as_written
+    computed = writer.checksums()
+    files = sorted(path.name for path in (tmp_path / "checkpoint").iterdir())
+    assert sorted(computed) == files == [".metadata", "__0_0.distcp"]
+    for name in files:
+        path = tmp_path / "checkpoint" / name
+        assert computed[name] == {"crc32": file_crc32(path), "bytes": path.stat().st_size}
