@@ -124,6 +124,7 @@ def test_bad_table_settings_are_refused_naming_the_columns_and_the_setting(click
     item = CategoricalColumn("item_id", "integer", table="item")
     for bad, message in (
         ([CategoricalColumn("x", dim=-2)], r"'x': dim = -2 must be a positive integer"),
+        ([CategoricalColumn("x", dim=6)], r"'x': dim = 6 must be a multiple of 4: FBGEMM's embedding kernels"),
         ([CategoricalColumn("x", pooling="max")], r"'x': pooling = 'max' is not one of sum, mean"),
         ([item, CategoricalColumn("clicked", "string", table="item")],
          r"'item_id' and 'clicked' share table 'item' but read ids = integer and string"),
@@ -174,3 +175,20 @@ def test_shared_tables_dims_and_mean_pooling_train_on_2_processes(clicks, tmp_pa
         assert rank["shapes"] == expected  # the sharded tables (FBGEMM's): one for the item's two columns, of its own dim
         assert rank["features"] == data.model_features  # what a checkpoint's hyper-parameters keep
         assert 0 < rank["metrics"]["val/auc"] < 1 and np.isfinite(rank["metrics"]["val/logloss"])
+
+
+def test_the_pages_shared_table_example_builds_the_model_it_describes():
+    import re
+
+    import yaml
+
+    page = Path("docs/own-data.md").read_text().split("## The schema: `data.schema`", 1)[1]
+    config = yaml.safe_load(re.search(r"^```yaml\n(.*?)^```", page, flags=re.M | re.S).group(1))
+    schema = config["data"]["schema"]
+    schema = ParquetSchema(schema["label"], [DenseColumn(**c) for c in schema["dense"]],
+                           [CategoricalColumn(**c) for c in schema["categorical"]])  # fmt: skip
+    model = build_dlrm(**config["model"], num_embeddings_per_feature=[100] * 3, dense_arch_layer_sizes=[16],
+                       over_arch_layer_sizes=[8, 1], features=schema.model_features())  # fmt: skip
+    tables = {c.name: (c.feature_names, c.embedding_dim, c.pooling.name) for c in model.sparse_arch.embedding_bag_collection.embedding_bag_configs()}  # fmt: skip
+    assert tables == {"t_user_id": (["user_id"], 16, "SUM"), "t_item": (["item_id", "clicked_items"], 8, "MEAN")}
+    assert model.dense_arch.model._mlp[0]._linear.in_features == 1

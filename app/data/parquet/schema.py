@@ -57,7 +57,7 @@ class CategoricalColumn:
             naming the same table share it (one row per id for both: the last items a user clicked and
             the item of the row); they must read their ids alike (``ids``), and the table's size covers
             them all.
-        dim: the width of its table's embeddings; unset: ``model.embedding_dim``. Only ``model.interaction:
+        dim: the width of its table's embeddings, a multiple of 4; unset: ``model.embedding_dim``. Only ``model.interaction:
             cat`` takes tables of several widths (the dot product of TorchRec's and TorchEasyRec's DLRM
             needs one width, as do DCN and the projection interaction).
         pooling: how a row's ids become one embedding: ``sum`` (the default) or ``mean`` (for list
@@ -185,6 +185,8 @@ def check_tables(columns: list[CategoricalColumn]) -> None:
         where = f"data.schema.categorical {column.name!r}"
         if column.dim is not None and (isinstance(column.dim, bool) or not isinstance(column.dim, int) or column.dim < 1):
             raise ValueError(f"{where}: dim = {column.dim!r} must be a positive integer (unset: model.embedding_dim)")
+        if column.dim is not None and column.dim % 4:  # TorchRec's sharder asserts it for FBGEMM's kernels
+            raise ValueError(f"{where}: dim = {column.dim} must be a multiple of 4: FBGEMM's embedding kernels take widths in steps of 4")
         if column.pooling is not None and column.pooling not in POOLINGS:
             raise ValueError(f"{where}: pooling = {column.pooling!r} is not one of {', '.join(POOLINGS)}")
         if not column.table_name or "." in column.table_name:
