@@ -23,6 +23,7 @@ each step instead. A resumed run takes the groups' rates from the restored sched
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,8 @@ class LRSchedule:
                 f"model.lr_decay_start = {self.decay_start} is inside the warm-up (model.lr_warmup_steps = "
                 f"{self.warmup_steps}): the decay must start after it"
             )
+        if not (math.isfinite(self.decay_power) and self.decay_power > 0):  # a negative one divides by 0 at the end
+            raise ValueError(f"model.lr_decay_power = {self.decay_power} must be a number > 0")
         if not 0.0 <= self.decay_end_factor <= 1.0:
             raise ValueError(f"model.lr_decay_end_factor = {self.decay_end_factor} must be within [0, 1]")
 

@@ -78,6 +78,7 @@ def test_configs_name_no_output_path_but_the_run_folder(config):
         (["--trainer.accumulate_grad_batches", "2"], "trainer.accumulate_grad_batches = 2: the embedding optimizer is fused"),
         (["--model.sparse_learning_rate", "-0.05"], "model.sparse_learning_rate = -0.05 must be a number > 0"),
         (["--model.dense_learning_rate", "0"], "model.dense_learning_rate = 0.0 must be a number > 0"),
+        (["--model.lr_decay_steps", "10", "--model.lr_decay_power", "-1"], "model.lr_decay_power = -1.0 must be a number > 0"),
         (["--model.sparse_optimizer", "adam"], "model.sparse_optimizer: Adam has no CPU embedding kernel in FBGEMM"),
         (["--model.embedding_precision", "fp16"], "model.embedding_precision = fp16: FBGEMM's CPU embedding kernels round"),
         (
