@@ -118,7 +118,8 @@ class CriteoDataModule(LightningDataModule):
             between held-out rows of the training data and rows of another source (measured in
             app/data/vocabulary_coverage.py).
         schema: for ``format: parquet`` (or ``.parquet`` files under ``auto``): which columns are the label,
-            the 13 dense and the 26 categorical features, and how each is read (docs/own-data.md).
+            the dense and the categorical features (the model's inputs, exactly these: their tables, shared
+            or not, dims and pooling), and how each is read (docs/own-data.md).
             Default: Criteo's column names, as ``python -m app.data.to_parquet`` writes them. Parquet is
             converted into the cache like raw TSV (also for ``predict``), so every other setting applies.
     """

@@ -70,7 +70,8 @@ class DLRMModule(LightningModule):
             paper's alternative), ``dcn`` (DCNv2 low-rank cross layers) or ``projection``.
         embedding_dim: D, the width of every embedding table and of the bottom MLP's output.
         num_embeddings_per_feature: rows of each of the 26 tables (one int for all, or 26 ints; fewer
-            ints give tables for the first features only, for benchmarks). Linked from
+            ints give tables for the first features only, for benchmarks); with ``data.schema``'s own
+            features, one int per categorical feature (those sharing a table: the same). Linked from
             ``data.num_embeddings_per_feature``; None (its ``auto``): the data module's count, known in
             ``setup``, where the tables are then built.
         dense_arch_layer_sizes: bottom MLP layer sizes over the 13 dense features; must end with D.
