@@ -37,6 +37,7 @@ from app.notices import silence_library_notices
 from app.train.callbacks import PredictionWriter, SamplesPerSecond
 from app.train.early_stopping import EarlyStoppingWhenAsked
 from app.train.module import DLRMModule
+from app.train.small_data import add_small_data_arguments, parse_choosing_small_data
 from app.train.precision import FLOAT32, default_precision
 
 # Errors a user causes with a setting or a file: shown as one line, not a traceback.
@@ -77,6 +78,13 @@ class DLRMCLI(LightningCLI):
         parser.add_lightning_class_args(EarlyStoppingWhenAsked, "early_stopping")
         # Say why fit ended (Lightning prints nothing when it stops early), once, not once per rank.
         parser.set_defaults({"early_stopping.verbose": True, "early_stopping.log_rank_zero_only": True})
+        add_small_data_arguments(parser)  # a recipe's settings for few training rows (app/train/small_data.py)
+
+    def parse_arguments(self, parser, args) -> None:
+        if args is not None and not isinstance(args, list):
+            return super().parse_arguments(parser, args)  # a parsed config (a Python caller): nothing to choose
+        # A fit on few rows takes the recipe's small-data config, as if given after the recipe (app/train/small_data.py).
+        self.config = parse_choosing_small_data(parser.parse_args, list(sys.argv[1:] if args is None else args))
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config

@@ -63,6 +63,9 @@ class LogisticRegressionModule(LightningModule):
             FBGEMM) and for the dense weights and bias (torch's) alike.
         learning_rate: the learning rate of both (of each id's weight: the kernel updates each of the
             row's 4 entries at a quarter of it).
+        features: the model's inputs, linked from ``data.schema`` as for the DLRM: a weight per id of each
+            categorical feature's table (shared tables shared, pooled as the schema says) and one per
+            dense column; None: Criteo's 13 dense and 26 categorical features.
     """
 
     RUN_SETTINGS = frozenset({"learning_rate"})  # a later run may change it; the rest is the model's
@@ -72,6 +75,7 @@ class LogisticRegressionModule(LightningModule):
         num_embeddings_per_feature: int | list[int] | None = 100_000,
         optimizer: BaselineOptimizer = "adagrad",
         learning_rate: float = 0.05,
+        features: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if optimizer not in ("adagrad", "sgd"):
@@ -82,7 +86,7 @@ class LogisticRegressionModule(LightningModule):
         self.register_module("embeddings", None)  # its place among the submodules, whenever it is built
         if num_embeddings_per_feature is not None:
             self._build_embeddings(num_embeddings_per_feature)
-        self.dense = nn.Linear(NUM_DENSE, 1)
+        self.dense = nn.Linear(NUM_DENSE if features is None else len(features["dense"]), 1)
         # Zero, as logistic regression starts: torch's default init would add a random dense logit of
         # several units on the log1p features (up to ~20) before the first step.
         nn.init.zeros_(self.dense.weight)
@@ -92,10 +96,16 @@ class LogisticRegressionModule(LightningModule):
         self.test_metrics = build_eval_metrics("test/", "exact")
 
     def _build_embeddings(self, num_embeddings_per_feature: int | list[int]) -> None:
-        sizes = expand_table_sizes(num_embeddings_per_feature, "num_embeddings_per_feature")
+        features = self.hparams.features
+        if features is None:
+            sizes = expand_table_sizes(num_embeddings_per_feature, "num_embeddings_per_feature")
+        else:  # one weight per id whatever dim the schema gives a table
+            count = len(features["categorical"])
+            sizes = [num_embeddings_per_feature] * count if isinstance(num_embeddings_per_feature, int) else num_embeddings_per_feature
+            features = dict(features, categorical=[dict(c, dim=None) for c in features["categorical"]])
         # On the meta device, as the DLRM's: DistributedModelParallel materialises each table on its
         # shard's rank (TorchRec's initialisation: uniform within +-1/sqrt(rows), near zero).
-        self.embeddings = build_embedding_bag_collection(ROW_WIDTH, sizes, "meta")
+        self.embeddings = build_embedding_bag_collection(ROW_WIDTH, sizes, "meta", features=features)
         fuse_sparse_optimizer(self.embeddings.parameters(), self.hparams.optimizer, self.hparams.learning_rate / ROW_WIDTH)
 
     def forward(self, batch: CriteoBatch) -> torch.Tensor:
