@@ -3,11 +3,13 @@ alone, and its serving contract beside it.
 
 The package (``torch._inductor.aoti_compile_and_package``) holds the whole model compiled for this
 machine's device (CPU here; CUDA where the export runs on a GPU), with the raw-id mapping it was trained
-with (app/checkpoint/serving_graph.py). It takes two int64 inputs with a dynamic batch dimension and
-returns click probabilities; ``torch._inductor.aoti_load_package`` loads it in Python and
-``torch::inductor::AOTIModelPackageLoader`` in C++. The contract, ``<package stem>.contract.json``, says
-what the inputs are (names, dtypes, shapes, feature order), how ids are mapped, and which versions made
-the package; app/checkpoint/serving_runtime.py checks inputs against it (docs/serving.md).
+with (app/checkpoint/serving_graph.py). It takes two inputs with a dynamic batch dimension (the dense
+values and the raw ids, as the data the model was trained on names them) and returns click
+probabilities; ``torch._inductor.aoti_load_package`` loads it in Python and
+``torch::inductor::AOTIModelPackageLoader`` in C++. It is then rewritten smaller
+(app/checkpoint/package_size.py). The contract, ``<package stem>.contract.json``, says what the inputs
+are (names, dtypes, shapes, feature order), how ids are mapped, which versions made the package and its
+CRC-32; app/checkpoint/serving_runtime.py checks both against it (docs/serving.md).
 
 Example::
 
@@ -29,6 +31,7 @@ import torch
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 
 from app.checkpoint.export import read_model_tensors
+from app.checkpoint.package_size import slim_package
 from app.checkpoint.saved_model import read_saved_model
 from app.checkpoint.serving_graph import DENSE_TRANSFORMS, MIN_QUANTIZED_ROWS, IdMapping, RowWiseInt8, ServingDLRM
 from app.checkpoint.serving_runtime import CONTRACT_FORMAT, DENSE_INPUT, DENSE_VALUES_INPUT, SPARSE_INPUT, contract_path, file_crc32
@@ -279,6 +282,7 @@ def export_pt2(source: Path, target: Path, quantize: str = "none", device: str |
     with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as partial_dir:
         partial = Path(partial_dir) / target.name
         torch._inductor.aoti_compile_and_package(program, package_path=str(partial), inductor_configs=COMPILE_SETTINGS)
+        slim_package(partial)  # no sources, a stripped library, deflated when small (app/checkpoint/package_size.py)
         crc = file_crc32(partial)
         os.replace(partial, target)
     contract_file = contract_path(target)

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +93,10 @@ def test_the_contract_beside_the_package_names_inputs_order_mapping_and_versions
     assert contract["id_mapping"] == {"kind": "hash", "table_sizes": HASHED_SIZES}
     assert contract["batch_rows"]["min"] == 1 and contract["batch_rows"]["max"] >= 4096
     assert contract["versions"]["torch"] == torch.__version__
+    # Rewritten smaller (the scoring tests load this very file from Python and C++): no sources, deflated.
+    records = zipfile.ZipFile(served["package"]).infolist()
+    assert not [r.filename for r in records if r.filename.endswith(".cpp")]
+    assert {r.compress_type for r in records} == {zipfile.ZIP_DEFLATED}
 
 
 def test_int8_tables_keep_the_auc_of_float32_and_small_tables_stay_float32(served, sample):
