@@ -35,6 +35,7 @@ import uuid
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -92,6 +93,11 @@ class CheckpointInfo:
 # ---- writing ---------------------------------------------------------------------------------
 
 
+class CheckpointNotWritableError(ValueError):
+    """A checkpoint could not be written into its folder (permissions, a read-only or full disk); raised on
+    every rank alike, the previous checkpoints untouched."""
+
+
 def save(
     checkpoint: dict[str, Any], path: str | os.PathLike, collectives: Collectives, plan: ShardingPlan, world_size: int
 ) -> None:
@@ -99,31 +105,70 @@ def save(
     link = Path(collectives.broadcast(str(path)))
     token = collectives.broadcast(uuid.uuid4().hex[:12])
     folder = link.parent / f".{link.name}.{token}"
-    if collectives.is_global_zero:
-        folder.mkdir(parents=True)
-        (folder / WRITER_FILE).write_text(json.dumps(asdict(Holder.of_this_process()), indent=1) + "\n")
-    collectives.barrier()
+    # After each step that writes, every rank learns whether any rank could not write (a folder turned
+    # read-only, a full disk): all stop with the same line, none is left waiting at a barrier.
+    _on_every_rank(collectives, link, lambda: _start_folder(folder) if collectives.is_global_zero else None)
     tensors = {key: checkpoint[key] for key in _TENSOR_KEYS if key in checkpoint}
     # dcp.save gathers every rank's result: a failure on one rank raises on all, no rank hangs.
     # Its collectives go through the strategy's checkpoint group: ranks that finish writing first
     # wait there for the slowest (uneven shards), not under the NCCL watchdog's timeout.
     writer = ChecksummingFileSystemWriter(folder)  # DCP's writer, hashing the bytes as it writes them
-    dcp.save(tensors, storage_writer=writer, process_group=collectives.checkpoint_process_group)
+    try:
+        dcp.save(tensors, storage_writer=writer, process_group=collectives.checkpoint_process_group)
+    except dcp.CheckpointException as error:  # every rank has it: DCP gathers each rank's result
+        disk_errors = [failure for failure, _ in error.failures.values() if isinstance(failure, OSError)]
+        if not disk_errors:
+            raise
+        raise CheckpointNotWritableError(_not_writable(link, disk_errors[0])) from error
     # DCP names a rank's files by its rank in the group it saved through.
     group_rank = dist.get_rank(collectives.checkpoint_process_group) if dist.is_initialized() else 0
-    write_rank_checksums(folder, group_rank, writer.checksums())
-    collectives.barrier()  # every rank's shards and their checksums are on disk
+    _on_every_rank(collectives, link, lambda: write_rank_checksums(folder, group_rank, writer.checksums()))
+    # Every rank's shards and their checksums are on disk: rank 0 completes the folder and publishes it.
     if collectives.is_global_zero:
         meta = {key: value for key, value in checkpoint.items() if key not in _TENSOR_KEYS}
-        meta = save_vocabulary(meta, folder)  # its arrays as files beside meta.json, a reference in it
-        meta["tensor_keys"] = sorted(tensors)
-        meta["sharding_plan"] = plan_to_json(plan)
-        meta["world_size"] = world_size
-        meta["format_version"] = FORMAT_VERSION
-        meta["versions"] = _library_versions()
-        _write_file_durably(folder / META_FILE, json.dumps(to_json_data(meta), indent=1).encode())
-        _publish(folder, link)
-    collectives.barrier()
+        meta.update(tensor_keys=sorted(tensors), sharding_plan=plan_to_json(plan), world_size=world_size)
+        meta.update(format_version=FORMAT_VERSION, versions=_library_versions())
+        _on_every_rank(collectives, link, lambda: _finish_folder(meta, folder, link))
+    else:
+        _on_every_rank(collectives, link, lambda: None)
+
+
+def _start_folder(folder: Path) -> None:
+    folder.mkdir(parents=True)
+    (folder / WRITER_FILE).write_text(json.dumps(asdict(Holder.of_this_process()), indent=1) + "\n")
+
+
+def _finish_folder(meta: dict[str, Any], folder: Path, link: Path) -> None:
+    meta = save_vocabulary(meta, folder)  # its arrays as files beside meta.json, a reference in it
+    _write_file_durably(folder / META_FILE, json.dumps(to_json_data(meta), indent=1).encode())
+    _publish(folder, link)
+
+
+def _on_every_rank(collectives: Collectives, link: Path, write: Callable[[], None]) -> None:
+    """Runs ``write`` on this rank, then raises CheckpointNotWritableError on every rank if it failed on any."""
+    try:
+        write()
+        failure = None
+    except OSError as error:
+        failure = _not_writable(link, error)
+    if dist.is_initialized():
+        failures: list[str | None] = [None] * dist.get_world_size(collectives.checkpoint_process_group)
+        dist.all_gather_object(failures, failure, group=collectives.checkpoint_process_group)
+    else:
+        failures = [failure]
+        collectives.barrier()
+    failure = next((line for line in failures if line is not None), None)
+    if failure is not None:
+        raise CheckpointNotWritableError(failure)
+
+
+def _not_writable(link: Path, error: OSError) -> str:
+    """The line for a save that could not write: the folder, the system's reason, the checkpoint still there."""
+    previous = [path for path in link.parent.glob("*.ckpt") if path.exists()] if link.parent.is_dir() else []
+    newest = max(previous, key=lambda path: path.stat().st_mtime, default=None)
+    kept = f"the newest checkpoint there, {newest}, is intact" if newest is not None else "no checkpoint was saved there before"
+    reason = f"{error.strerror}: {error.filename}" if error.strerror and error.filename else str(error)
+    return f"checkpoint folder {link.parent} is not writable ({reason}); {kept}"
 
 
 def _write_file_durably(path: Path, data: bytes) -> None:

@@ -15,6 +15,9 @@ run (app/checkpoint/run_folder.py), and ``--ckpt_path last`` reads exactly ``las
 
 from __future__ import annotations
 
+import os
+import uuid
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
@@ -49,6 +52,17 @@ class RunCheckpoint(ModelCheckpoint):
                 self.last_model_path = path
         super()._save_last_checkpoint(trainer, monitor_candidates)
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Lightning's, then a fit checks that its checkpoint folder can be written, before the first step:
+        every rank stops with rank 0's line rather than failing at the first save."""
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit" or self.dirpath is None:
+            return
+        refusal = unwritable_folder(Path(self.dirpath)) if trainer.is_global_zero else None
+        refusal = trainer.strategy.broadcast(refusal)
+        if refusal is not None:
+            raise ValueError(refusal)
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         self._started_at_step = trainer.global_step
@@ -61,3 +75,16 @@ class RunCheckpoint(ModelCheckpoint):
         # Lightning's own skip: not fitting, fast_dev_run, sanity check, or already saved at this step.
         if trained and not self._should_skip_saving_checkpoint(trainer):
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def unwritable_folder(folder: Path) -> str | None:
+    """None if a file can be created in ``folder`` (made if missing), else the line saying why not. A real
+    write, not ``os.access``: root passes that check on a read-only or immutable folder and then fails."""
+    probe = folder / f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        return f"checkpoint folder {folder} is not writable ({error.strerror or error}): set a writable checkpoint.dirpath"
+    return None
