@@ -27,7 +27,7 @@ from app.checkpoint.best import BEST, find_best_checkpoint
 from app.checkpoint.preemption import SaveOnSignal
 from app.checkpoint.run_checkpoint import RunCheckpoint
 from app.checkpoint.run_folder import LAST, checkpoint_run_folder, fit_run_folder, last_checkpoint
-from app.checkpoint.saved_model import SavedModel, read_saved_model, settings_from_checkpoint
+from app.checkpoint.saved_model import SavedModel, check_same_features, read_saved_model, settings_from_checkpoint
 from app.command import exit_on_bad_config_files
 from app.data.datamodule import CriteoDataModule
 from app.distributed.health import RankHealth
@@ -161,6 +161,8 @@ class DLRMCLI(LightningCLI):
         saved = self.saved_model
         if saved is None:
             return
+        if isinstance(self.model, DLRMModule):
+            check_same_features(saved, self.model.hparams.features)
         if saved.data_state and isinstance(self.datamodule, CriteoDataModule):
             self.datamodule.load_state_dict(saved.data_state)
         if saved.info is not None and isinstance(self.trainer.strategy, TorchRecStrategy):

@@ -113,6 +113,32 @@ def settings_from_checkpoint(
 _UNSET = object()
 
 
+def check_same_features(saved: SavedModel, features: dict[str, Any] | None) -> None:
+    """Refuses a run whose ``data.schema`` gives the model other features than the checkpoint's, naming the
+    first that differs: a table's pooling, or a feature's order, changes no weight's shape, so the weights
+    would load into another model without a word. A checkpoint without features holds Criteo's model."""
+    there = saved.hyper_parameters.get("features")
+    if there == features:
+        return
+    describe = (lambda f: "Criteo's 13 dense and 26 categorical features" if f is None else _feature_list(f))
+    here_list, there_list = describe(features), describe(there)
+    first = next((i for i, (a, b) in enumerate(zip(here_list, there_list)) if a != b), min(len(here_list), len(there_list)))
+    show = (lambda items: items if isinstance(items, str) else (items[first] if first < len(items) else "none"))
+    raise ValueError(
+        f"data.schema gives the model other features than ckpt_path {saved.path} holds: {show(there_list)} there, "
+        f"{show(here_list)} here; give the data.schema the checkpoint was trained with"
+    )
+
+
+def _feature_list(features: dict[str, Any]) -> list[str]:
+    dense = [f"dense {name!r}" for name in features["dense"]]
+    categorical = [
+        f"{c['name']!r} (table {c['table']!r}, dim {c['dim'] or 'model.embedding_dim'}, pooling {c['pooling']})"
+        for c in features["categorical"]
+    ]
+    return dense + categorical
+
+
 def _take_data_setting(
     taken: SettingsFromCheckpoint, saved: SavedModel, data: dict[str, Any], defaults: dict[str, Any], key: str,
     value: Any, also_default: Any = _UNSET,

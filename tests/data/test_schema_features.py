@@ -192,3 +192,17 @@ def test_the_pages_shared_table_example_builds_the_model_it_describes():
     tables = {c.name: (c.feature_names, c.embedding_dim, c.pooling.name) for c in model.sparse_arch.embedding_bag_collection.embedding_bag_configs()}  # fmt: skip
     assert tables == {"t_user_id": (["user_id"], 16, "SUM"), "t_item": (["item_id", "clicked_items"], 8, "MEAN")}
     assert model.dense_arch.model._mlp[0]._linear.in_features == 1
+
+
+def test_a_checkpoint_of_other_features_is_refused_naming_the_first_that_differs(clicks):
+    from app.checkpoint.saved_model import SavedModel, check_same_features
+
+    features = clicks["data"].model_features
+    saved = SavedModel("runs/own/last.ckpt", {"features": features})
+    check_same_features(saved, features)
+    summed = dict(features, categorical=[dict(c, pooling="sum") for c in features["categorical"]])
+    with pytest.raises(ValueError, match=r"data.schema gives the model other features than ckpt_path runs/own/last.ckpt holds: "
+                                         r"'item_id' \(table 'item', dim 4, pooling mean\) there, 'item_id' \(table 'item', dim 4, pooling sum\) here"):  # fmt: skip
+        check_same_features(saved, summed)
+    with pytest.raises(ValueError, match=r"holds: Criteo's 13 dense and 26 categorical features there, dense 'price' here"):
+        check_same_features(SavedModel("criteo.ckpt", {}), features)  # a checkpoint from before features were kept
