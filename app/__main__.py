@@ -8,6 +8,9 @@ if __name__ == "__main__":
 
         main(sys.argv[2:])
     else:
+        from app.distributed.job_lifetime import follow_launcher
+
+        follow_launcher()  # a rank of Lightning's launcher ends with it, from before the imports below
         from app.cli import cli_main
 
         cli_main()

@@ -15,6 +15,9 @@ import os
 import socket
 
 from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment, SLURMEnvironment
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+from app.distributed.job_lifetime import children_follow_this_process
 
 # Error handling of NCCL (RCCL on ROCm), set only where the user has not chosen: a collective that
 # exceeds trainer.strategy.init_args.timeout_s aborts the communicator and ends the process (3 =
@@ -30,6 +33,15 @@ def set_collective_error_defaults() -> None:
     """Exports NCCL_ERROR_DEFAULTS for the variables the environment does not already set."""
     for name, value in NCCL_ERROR_DEFAULTS.items():
         os.environ.setdefault(name, value)
+
+
+class JobLauncher(_SubprocessScriptLauncher):
+    """Lightning's launcher of the other local ranks, whose ranks end with this process and carry this
+    launch's job id (app/distributed/job_lifetime.py)."""
+
+    def _call_children_scripts(self) -> None:
+        with children_follow_this_process(self.num_nodes):
+            super()._call_children_scripts()
 
 
 # Ports for SLURM jobs: below Linux's ephemeral range (32768-60999, net.ipv4.ip_local_port_range), so

@@ -14,7 +14,8 @@ collective, whose watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) ends the job af
 
 Two jobs given the same port on one node (SLURM's port rule, a copied ``MASTER_PORT``): the second
 job's rank 0 cannot host its store, and its other ranks would join the first job's rendezvous. Each
-job checks in under its own name (SLURM job, torchrun run), and a rank that finds another
+job checks in under its own name (SLURM job, torchrun run, the job id Lightning's launcher hands its
+ranks on one node: app/distributed/job_lifetime.py), and a rank that finds another
 job's name at the store ends at once, with a line naming both and the port.
 """
 
@@ -27,6 +28,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from app.distributed.job_lifetime import JOB_ID_VARIABLE, port_holder
 
 _POLL_S = 0.2
 _FIX = "raise trainer.strategy.init_args.rendezvous_timeout_s if nodes start far apart"
@@ -126,7 +129,7 @@ def _connect(address: str, port: int, rank: int, world_size: int, timeout_s: flo
         if rank == 0 and not hosted_by_agent and "EADDRINUSE" in str(error):
             raise RendezvousError(
                 f"rank 0 could not host the rendezvous at {address}:{port}: port {port} is already in use on this "
-                f"node (another job's rendezvous?); {_PORT_FIX}"
+                f"node by {port_holder(port)}; this job stops; {_PORT_FIX}"
             ) from None
         if rank == 0 and not hosted_by_agent:
             raise RendezvousError(f"rank 0 could not host the rendezvous at {address}:{port}: {error}") from None
@@ -140,11 +143,14 @@ def _connect(address: str, port: int, rank: int, world_size: int, timeout_s: flo
 def job_name() -> str:
     """What names this job to the ranks of another job that reach its rendezvous: SLURM's job id (not the
     step's: nodes started by separate srun steps of one job are one run), torchrun's run id; empty under
-    Lightning's launcher, which has no name shared by every node."""
+    Lightning's launcher over several nodes, which has no name shared by every node (on one node: the
+    job id its launcher generated)."""
     if "SLURM_JOB_ID" in os.environ:
         return f"SLURM job {os.environ['SLURM_JOB_ID']}"
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return f"torchrun run {os.environ['TORCHELASTIC_RUN_ID']}"
+    if os.environ.get(JOB_ID_VARIABLE):  # one node under Lightning's launcher (app/distributed/job_lifetime.py)
+        return f"job {os.environ[JOB_ID_VARIABLE]}"
     return ""
 
 

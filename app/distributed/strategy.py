@@ -26,7 +26,6 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
@@ -42,7 +41,8 @@ from app.checkpoint.format import CheckpointInfo
 from app.checkpoint.reshard import plan_allows
 from app.checkpoint.run_folder import check_every_rank_has
 from app.checkpoint.run_lock import RunFolderLock, run_folders
-from app.distributed.launch import check_launch, set_collective_error_defaults
+from app.distributed.job_lifetime import follow_launcher
+from app.distributed.launch import JobLauncher, check_launch, set_collective_error_defaults
 from app.distributed.placements import plan_on_devices
 from app.distributed.plan_report import plan_report, report_holds_plan, write_plan_report
 from app.distributed.rendezvous import join_process_group, long_wait_group, wait_for_every_rank
@@ -198,12 +198,13 @@ class TorchRecStrategy(ParallelStrategy):
         return False  # load_checkpoint restores the optimizers together with the model
 
     def _configure_launcher(self) -> None:
+        follow_launcher()  # a rank the launcher below started (if python -m app has not already)
         # Runs in the launching process, before workers exist: the cheapest place to fail.
         self._validate_settings()
         assert self.cluster_environment is not None
         check_launch(self.cluster_environment, self.num_processes, self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = JobLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def _validate_settings(self) -> None:
         if self.parallel_devices:

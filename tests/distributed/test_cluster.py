@@ -239,7 +239,7 @@ def test_a_slurm_jobs_port_in_use_on_its_node_is_named_with_what_to_do(sample, t
     assert returncode == 2, log[-3000:]
     assert (
         f"error: rank 0 could not host the rendezvous at 127.0.0.1:{port}: port {port} is already in use on this "
-        "node (another job's rendezvous?); export MASTER_PORT=<a free port, 1024-32767> for every task" in log
+        "node by another program; this job stops; export MASTER_PORT=<a free port, 1024-32767> for every task" in log
     ), log[-3000:]
     assert "Traceback" not in log
 

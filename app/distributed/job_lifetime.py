@@ -1,0 +1,121 @@
+"""Every rank ends with its job: the workers of Lightning's launcher stop when the launching process ends.
+
+Lightning's launcher (``_SubprocessScriptLauncher``) starts ranks 1..N-1 as child processes and kills
+them only when its observer thread sees a child fail or on KeyboardInterrupt: when the launching
+process (rank 0) ends any other way (a refused rendezvous, an error, SIGTERM, SIGKILL), its children
+would run on with parent 1 and could join the next job started on the same port. The app's launcher
+(``app.distributed.launch.JobLauncher``) hands its children its process id and a job id drawn for this
+launch; each child, first thing (``python -m app``) and again in the strategy, asks Linux to kill
+it when its parent ends (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, ``follow_launcher``) and stops at once
+if the parent is already gone. The job id names the job at the rendezvous (app/distributed/rendezvous.py),
+so that a rank is never counted in another job's run.
+
+``port_holder`` says which process holds a port, read from /proc (no connection is made: a program
+that accepts a connection and never answers would hold the asker forever).
+
+Standard library only: ``python -m app`` calls ``follow_launcher`` before it imports torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+LAUNCHER_PID_VARIABLE = "APP_LAUNCHER_PID"
+JOB_ID_VARIABLE = "APP_JOB_ID"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_APP_PACKAGE = __name__.split(".")[0]
+
+
+@contextmanager
+def children_follow_this_process(num_nodes: int) -> Iterator[None]:
+    """For the launch of this process's ranks (``app.distributed.launch.JobLauncher``): the children
+    started inside the block get this process's id, and on one node a fresh job id that this process
+    keeps too. Over several nodes each node's launcher would draw another id, so the job keeps no name
+    of its own there (and an id inherited from an earlier run, which would differ by node, is dropped)."""
+    if num_nodes == 1:
+        os.environ[JOB_ID_VARIABLE] = uuid.uuid4().hex[:12]
+    else:
+        os.environ.pop(JOB_ID_VARIABLE, None)
+    # Only the children get the launcher's pid: a process this one starts later is no rank of it.
+    os.environ[LAUNCHER_PID_VARIABLE] = str(os.getpid())
+    try:
+        yield
+    finally:
+        del os.environ[LAUNCHER_PID_VARIABLE]
+
+
+def follow_launcher() -> None:
+    """In a rank that ``JobLauncher`` started: be killed when the launching process ends, and end now
+    (exit status 1, one line) if it already has. Does nothing in any other process."""
+    launcher = os.environ.pop(LAUNCHER_PID_VARIABLE, "")  # not handed on to processes this rank starts
+    if not launcher.isdigit() or "LOCAL_RANK" not in os.environ:
+        return
+    _kill_me_when_my_parent_ends()
+    if os.getppid() != int(launcher):  # the launcher ended before the request above took effect
+        print(
+            f"error: rank {os.environ['LOCAL_RANK']}: the launching process {launcher} has ended; "
+            "this rank stops with it",
+            file=sys.stderr,
+        )
+        raise SystemExit(1)
+
+
+def _kill_me_when_my_parent_ends() -> None:
+    if not sys.platform.startswith("linux"):
+        return  # elsewhere Lightning's own process observer is the only guard
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+def port_holder(port: int) -> str:
+    """Who holds TCP ``port`` on this node, for a message: "another job of this app (pid N: command)",
+    "another program (pid N: command)", or "another program" where /proc does not say (another
+    user's process, another system)."""
+    inodes = _socket_inodes(port)
+    for pid, command in _processes_with_sockets(inodes):
+        shown = " ".join(" ".join(command).split())  # one line, whatever the arguments hold
+        shown = shown if len(shown) <= 100 else shown[:97] + "..."
+        whose = "another job of this app" if _runs_this_app(command) else "another program"
+        return f"{whose} (pid {pid}: {shown})"
+    return "another program"
+
+
+def _socket_inodes(port: int) -> set[str]:
+    """The inodes of this node's TCP sockets bound to ``port`` (listening, bound or connected from it)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()  # sl, local address:port (hex), remote, state, ..., uid, timeout, inode
+            if len(fields) > 9 and int(fields[1].rsplit(":", 1)[1], 16) == port and fields[9] != "0":
+                inodes.add(fields[9])
+    return inodes
+
+
+def _processes_with_sockets(inodes: set[str]) -> Iterator[tuple[int, list[str]]]:
+    """(pid, command line) of the processes that have one of these sockets open (this user's only)."""
+    links = {f"socket:[{inode}]" for inode in inodes}
+    for fd_folder in Path("/proc").glob("[0-9]*/fd") if links else ():
+        try:
+            if any(os.readlink(fd) in links for fd in fd_folder.iterdir()):
+                command = (fd_folder.parent / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+                yield int(fd_folder.parent.name), [part.decode(errors="replace") for part in command]
+        except OSError:
+            continue  # ended meanwhile, or another user's
+
+
+def _runs_this_app(command: list[str]) -> bool:
+    """Whether a command line runs this app: ``python -m app ...`` (``app.__main__`` for Lightning's ranks)."""
+    modules = [command[i + 1] for i, part in enumerate(command[:-1]) if part == "-m"]
+    return bool(modules) and modules[0].split(".")[0] == _APP_PACKAGE

@@ -1,0 +1,200 @@
+"""Every rank ends with its job (app/distributed/job_lifetime.py), under Lightning's launcher: a second job
+started on a running job's port is refused with one line and leaves no rank behind, without touching the
+running job's rendezvous; a running job's ranks end when its launcher is SIGKILLed.
+
+Each launch runs in a session of its own, so that its process group holds the launcher and every rank it
+started (an orphan included): "no rank left" is that group holding no living process once the launcher
+has ended, polled up to a deadline. Every wait has a deadline, and the group is killed at the end whatever
+happened, so that a regression fails the test instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from app.distributed.job_lifetime import (
+    JOB_ID_VARIABLE,
+    LAUNCHER_PID_VARIABLE,
+    children_follow_this_process,
+    port_holder,
+)
+from app.distributed.rendezvous import job_name
+from tests.distributed.test_cluster import app_args
+
+DEADLINE_S = 60.0  # far above a start-up on a busy 2-core machine (~5-15 s)
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _start(args: list[str], log: Path, port: int) -> subprocess.Popen:
+    """``python -m app <args>`` under Lightning's launcher on ``port``, in a session of its own."""
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "NODE_RANK": "0"}
+    for name in ("APP_TRACEBACK", "LOCAL_RANK", "WORLD_SIZE", LAUNCHER_PID_VARIABLE, JOB_ID_VARIABLE):
+        env.pop(name, None)
+    command = [sys.executable, "-m", "app", *args]
+    return subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _living_processes_of_group(group: int) -> list[int]:
+    """The processes of process group ``group`` that have not ended (zombies are ended), from /proc."""
+    living = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, process_group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # ended while being read
+        if int(process_group) == group and state not in ("Z", "X"):
+            living.append(int(stat.parent.name))
+    return living
+
+
+def _wait_until(condition: Callable[[], bool], what: str, log: Path) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} not within {DEADLINE_S:.0f} s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)  # polling a condition, with the deadline above
+
+
+def _end(process: subprocess.Popen, log: Path) -> int:
+    try:
+        return process.wait(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the launcher still runs after {DEADLINE_S:.0f} s (a hang):\n{log.read_text()[-3000:]}")
+
+
+def _wait_for_the_group_to_end(launcher: subprocess.Popen, log: Path) -> None:
+    """Fails the test unless every process of the launch has ended within the deadline."""
+    _wait_until(lambda: not _living_processes_of_group(launcher.pid), "the end of every process of the launch", log)
+
+
+def _kill_group(launcher: subprocess.Popen) -> None:
+    """Whatever a test left of a launch, orphans included."""
+    if _living_processes_of_group(launcher.pid):
+        os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+
+
+def _listens(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class RunningJob:
+    launcher: subprocess.Popen
+    port: int
+    log: Path
+    store: dist.TCPStore  # a client of the job's rendezvous store
+
+    def joined(self) -> int:
+        """How many ranks have checked in at the job's rendezvous (app/distributed/rendezvous.py's keys)."""
+        owner = self.store.get("app_rendezvous/job").decode()
+        return self.store.add(f"app_rendezvous/{owner}/0/joined", 0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def running_job(sample, tmp_path_factory) -> Iterator[RunningJob]:
+    """A job of 2 nodes x 2 ranks whose node 1 never starts: node 0's ranks wait at their rendezvous
+    (rank 0 hosts it) until the test ends them; yielded once rank 0 hosts it (rank 1 may still start)."""
+    folder = tmp_path_factory.mktemp("running_job")
+    args = app_args(sample, folder, "--trainer.devices", "2", "--trainer.num_nodes", "2")
+    port, log = _free_port(), folder / "log"
+    launcher = _start(args, log, port)
+    try:
+        _wait_until(lambda: _listens(port) or launcher.poll() is not None, "the rendezvous", log)
+        # (another program on the port the moment it was free: rerun)
+        assert f"(pid {launcher.pid}: " in port_holder(port), f"{port_holder(port)}\n{log.read_text()[-3000:]}"
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=DEADLINE_S))
+        yield RunningJob(launcher, port, log, store)
+    finally:
+        _kill_group(launcher)
+
+
+def test_a_second_job_on_a_running_jobs_port_is_refused_and_leaves_no_rank(running_job, sample, tmp_path):
+    # Started while the running job's rank 1 may still be starting: the two start-ups share the CPUs.
+    second = _start(app_args(sample, tmp_path, "--trainer.devices", "2"), tmp_path / "log", running_job.port)
+    try:
+        returncode = _end(second, tmp_path / "log")
+        _wait_for_the_group_to_end(second, tmp_path / "log")
+    finally:
+        _kill_group(second)
+    log = (tmp_path / "log").read_text()
+    port = running_job.port
+    assert returncode == 2, log[-3000:]
+    (line,) = [line for line in log.splitlines() if "could not host the rendezvous" in line]
+    assert line.startswith(
+        f"error: rank 0 could not host the rendezvous at 127.0.0.1:{port}: port {port} is already in use on this "
+        f"node by another job of this app (pid {running_job.launcher.pid}: "
+    ), line
+    assert "this job stops; export MASTER_PORT=<a free port" in line and "Traceback" not in log, log[-3000:]
+    # The running job's rendezvous counts its own two ranks only (the second job's have all ended), and it waits on.
+    _wait_until(lambda: running_job.joined() >= 2, "the running job's rank 1 at its rendezvous", running_job.log)
+    assert running_job.joined() == 2
+    assert running_job.launcher.poll() is None
+
+
+def test_the_ranks_of_a_killed_launcher_end_with_it(running_job):
+    _wait_until(lambda: running_job.joined() == 2, "both ranks of node 0 at the rendezvous", running_job.log)
+    ranks = [pid for pid in _living_processes_of_group(running_job.launcher.pid) if pid != running_job.launcher.pid]
+    assert ranks, "the running job shows no rank besides its launcher"
+    running_job.launcher.send_signal(signal.SIGKILL)
+    running_job.launcher.wait(timeout=DEADLINE_S)
+    _wait_for_the_group_to_end(running_job.launcher, running_job.log)
+
+
+def test_each_launch_draws_its_own_job_id_and_only_its_children_get_the_launchers_pid(monkeypatch):
+    for name in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", JOB_ID_VARIABLE):  # JOB_ID_VARIABLE: restored after
+        monkeypatch.delenv(name, raising=False)
+    names = []
+    for _ in range(2):
+        with children_follow_this_process(num_nodes=1):
+            assert os.environ[LAUNCHER_PID_VARIABLE] == str(os.getpid())
+        assert LAUNCHER_PID_VARIABLE not in os.environ
+        names.append(job_name())
+    assert names[0] != names[1] and all(name.startswith("job ") for name in names), names
+    with children_follow_this_process(num_nodes=2):  # no id that every node's launcher would share
+        pass
+    assert job_name() == "" and JOB_ID_VARIABLE not in os.environ
+
+
+def test_a_rank_whose_launcher_is_gone_stops_with_one_line():
+    # Launcher pid 1: the rank's parent is this test, as it is init once the launcher has ended.
+    gone = {LAUNCHER_PID_VARIABLE: "1", "LOCAL_RANK": "1"}
+    code = "from app.distributed.job_lifetime import follow_launcher; follow_launcher(); print('still running')"
+    rank = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **gone}, cwd=REPO, capture_output=True, text=True,
+        timeout=DEADLINE_S,
+    )  # fmt: skip
+    assert rank.returncode == 1 and rank.stdout == "", rank
+    assert rank.stderr == "error: rank 1: the launching process 1 has ended; this rank stops with it\n"
+
+
+def test_the_holder_of_a_port_is_named_with_its_pid_and_command():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        holder = port_holder(sock.getsockname()[1])
+    assert holder.startswith(f"another program (pid {os.getpid()}: "), holder
