@@ -36,6 +36,7 @@ from app.checkpoint.saved_model import read_saved_model
 from app.checkpoint.serving_graph import DENSE_TRANSFORMS, MIN_QUANTIZED_ROWS, IdMapping, RowWiseInt8, ServingDLRM
 from app.checkpoint.serving_runtime import CONTRACT_FORMAT, DENSE_INPUT, DENSE_VALUES_INPUT, SPARSE_INPUT, contract_path, file_crc32
 from app.criteo import NUM_DENSE, SPARSE_NAMES
+from app.data.parquet.statistics import STATISTICS_KEY as DENSE_STATISTICS_KEY
 from app.model.dlrm import build_dlrm, build_dlrm_arguments, table_name
 
 LOWERED_INTERACTIONS = ("dot", "cat", "dcn", "projection")
@@ -57,6 +58,7 @@ class SavedWeights:
     vocabulary_ids: list[torch.Tensor] | None  # one sorted int64 tensor per feature, or None for hashed ids
     frequency_threshold: int
     data_layout: dict[str, Any]  # the features it was trained on and how each was made (app/data/layout.py)
+    dense_statistics: dict[str, list[float]]  # standardize's training [mean, std] per column ({} without)
 
 
 def read_saved_weights(source: Path) -> SavedWeights:
@@ -73,10 +75,13 @@ def read_saved_weights(source: Path) -> SavedWeights:
     if vocabulary is not None:
         arrays = vocabulary.ids if hasattr(vocabulary, "ids") else vocabulary["ids"]
         ids = [torch.as_tensor(array, dtype=torch.int64) for array in arrays]
-    return SavedWeights(dict(hyper_parameters), state_dict, ids, threshold, saved.data_layout)
+    statistics = dict(data_state.get(DENSE_STATISTICS_KEY) or {})
+    return SavedWeights(dict(hyper_parameters), state_dict, ids, threshold, saved.data_layout, statistics)
 
 
-def check_lowerable(hyper_parameters: dict[str, Any], source: Path, layout: dict[str, Any] | None = None) -> None:
+def check_lowerable(
+    hyper_parameters: dict[str, Any], source: Path, layout: dict[str, Any] | None = None, statistics: dict[str, Any] | None = None
+) -> None:
     """Refuses, naming the setting or the feature, a model the serving graph does not reproduce; before any
     compile."""
     interaction = hyper_parameters.get("interaction", "dot")
@@ -85,19 +90,21 @@ def check_lowerable(hyper_parameters: dict[str, Any], source: Path, layout: dict
             f"ckpt_path {source}: model.interaction = {interaction!r} has no plain-torch serving graph "
             f"(the pt2 export lowers {', '.join(LOWERED_INTERACTIONS)})"
         )
-    problems = [] if layout is None else unlowered_features(layout)
+    problems = [] if layout is None else unlowered_features(layout, statistics or {})
     if problems:
         more = f" (and {len(problems) - 1} more: {', '.join(name for name, _ in problems[1:])})" if len(problems) > 1 else ""
         name, why = problems[0]
         raise ValueError(f"ckpt_path {source} has no pt2 serving graph: feature {name!r} {why}{more}")
 
 
-def unlowered_features(layout: dict[str, Any]) -> list[tuple[str, str]]:
+def unlowered_features(layout: dict[str, Any], statistics: dict[str, Any]) -> list[tuple[str, str]]:
     """(feature, why) for each input of the training data the serving graph does not make as its reader made it."""
     problems = []
     for column in layout["dense"]:
         transform = column.get("transform")
-        if transform is None:
+        if transform == "standardize" and column["name"] not in statistics:
+            problems.append((column["name"], "is standardised, but the checkpoint holds no mean and std for it"))
+        elif transform is None:
             problems.append((column["name"], "comes from NumPy days that do not record their dense transform (no metadata.json)"))
         elif transform not in DENSE_TRANSFORMS:
             problems.append((column["name"], f"has transform {transform!r}; the graph applies {', '.join(DENSE_TRANSFORMS)}"))
@@ -133,16 +140,18 @@ class ServingInputs:
     dense_features: list[str]
     dense_transforms: list[str]
     dense_fills: list[float | None]
+    dense_statistics: list[tuple[float, float] | None]  # standardize's training (mean, std); None for others
     id_features: list[str]
     id_kinds: list[str]
 
     @classmethod
-    def of(cls, layout: dict[str, Any]) -> "ServingInputs":
+    def of(cls, layout: dict[str, Any], statistics: dict[str, Any]) -> "ServingInputs":
         dense, categorical = layout["dense"], layout["categorical"]
         counts = layout["format"] != "parquet"  # Criteo's integer counts; a schema's columns may be fractional
+        moments = [tuple(statistics[c["name"]]) if c["transform"] == "standardize" else None for c in dense]
         return cls(
             DENSE_INPUT if counts else DENSE_VALUES_INPUT, torch.int64 if counts else torch.float64,
-            [c["name"] for c in dense], [c["transform"] for c in dense], [c.get("fill") for c in dense],
+            [c["name"] for c in dense], [c["transform"] for c in dense], [c.get("fill") for c in dense], moments,
             [c["name"] for c in categorical], [c.get("ids") or "hex" for c in categorical],
         )  # fmt: skip
 
@@ -187,7 +196,7 @@ def serving_tables(saved: SavedWeights, quantize: str, report=print) -> list[tor
 def build_serving_module(saved: SavedWeights, quantize: str, source: Path, report=print) -> ServingDLRM:
     """The plain-torch serving module of a saved model (the trained dense parts, the tables, the id mapping,
     the dense transforms of its data); its ``inputs`` say what the package takes."""
-    check_lowerable(saved.hyper_parameters, source, saved.data_layout)
+    check_lowerable(saved.hyper_parameters, source, saved.data_layout, saved.dense_statistics)
     tables = serving_tables(saved, quantize, report)
     if not tables:
         raise ValueError(f"ckpt_path {source} holds no embedding table under {_TABLE_PREFIX}")
@@ -199,14 +208,15 @@ def build_serving_module(saved: SavedWeights, quantize: str, source: Path, repor
         prefix = f"model.{part}."
         state = {k[len(prefix) :]: v for k, v in saved.state_dict.items() if k.startswith(prefix)}
         getattr(trained, part).load_state_dict(state)
-    inputs = ServingInputs.of(saved.data_layout)
+    inputs = ServingInputs.of(saved.data_layout, saved.dense_statistics)
     model_dense = len((saved.hyper_parameters.get("features") or {}).get("dense", [None] * NUM_DENSE))
     if len(inputs.dense_features) > model_dense:
         raise ValueError(f"ckpt_path {source}: its data has {len(inputs.dense_features)} dense features, its model takes {model_dense}")
     vocabularies = saved.vocabulary_ids[: len(sizes)] if saved.vocabulary_ids is not None else None
     hp = saved.hyper_parameters
     module = ServingDLRM(trained, tables, feature_tables, IdMapping(sizes, vocabularies), bool(hp.get("first_order")),
-                         bool(hp.get("second_order")), inputs.dense_transforms, model_dense)  # fmt: skip
+                         bool(hp.get("second_order")), inputs.dense_transforms, model_dense,
+                         [m or (0.0, 1.0) for m in inputs.dense_statistics])  # fmt: skip
     module.inputs = inputs
     return module.eval()
 
@@ -248,7 +258,8 @@ def contract(saved: SavedWeights, module: ServingDLRM, quantize: str, device: to
         "inputs": [
             {"name": inputs.dense_name, "dtype": str(inputs.dense_dtype).removeprefix("torch."),
              "shape": ["batch", len(inputs.dense_features)], "features": inputs.dense_features,
-             "transforms": inputs.dense_transforms, "fills": inputs.dense_fills, "meaning": dense_meaning},
+             "transforms": inputs.dense_transforms, "fills": inputs.dense_fills,
+             "standardize_mean_std": inputs.dense_statistics, "meaning": dense_meaning},
             {"name": SPARSE_INPUT, "dtype": "int64", "shape": ["batch", len(inputs.id_features)], "features": inputs.id_features,
              "ids": inputs.id_kinds, "meaning": "raw categorical ids (a hex id's integer value, an integer id as it is); "
              "a missing id is 0; mapped inside"},

@@ -4,7 +4,8 @@ log values to click probabilities, ready for ``torch.export``.
 What the graph does, matching the data road and the model exactly:
 
 * dense: each raw value becomes the model's feature as its reader made it (``log(max(x, 0) + 1)`` for
-  Criteo's counts, ``log(max(x, -2) + 3)``, or the value itself for a schema's ``transform: none``),
+  Criteo's counts, ``log(max(x, -2) + 3)``, a schema's ``standardize`` with the training rows' mean
+  and std, or the value itself for ``transform: none``),
   computed in float64 and rounded once to float32, as the readers do (app/data/tsv_decode.py,
   app/data/parquet/reader.py);
 * ids: the raw integer ids (the hex id's value, a missing one sent as 0) are mapped as training mapped
@@ -156,13 +157,14 @@ def _codes(table: torch.Tensor | RowWiseInt8) -> torch.Tensor:
 
 # How a dense input becomes the model's float32 feature, in float64 then rounded once, as the readers do
 # (app/data/tsv_decode.py, app/data/parquet/reader.py).
-DENSE_TRANSFORMS = ("log1p", "log_plus_3", "none")
+DENSE_TRANSFORMS = ("log1p", "log_plus_3", "none", "standardize")
 
 
 class ServingDLRM(nn.Module):
     """(dense inputs (B, I), raw ids (B, C) int64) -> click probabilities (B,) float32.
 
-    ``dense_transforms``: one of DENSE_TRANSFORMS per dense input. The model may take more inputs than the
+    ``dense_transforms``: one of DENSE_TRANSFORMS per dense input; ``dense_statistics``: the training
+    rows' (mean, std) per dense input, for ``standardize`` (the others' are not read). The model may take more inputs than the
     data gave (a data schema's model of Criteo's shape): the rest are the constants the reader fills in,
     dense 0 and raw id 0; of more ids than it has tables, it takes the first.
     """
@@ -177,6 +179,7 @@ class ServingDLRM(nn.Module):
         second_order: bool,
         dense_transforms: Sequence[str],
         model_dense_inputs: int,
+        dense_statistics: Sequence[tuple[float, float]] | None = None,
     ) -> None:
         super().__init__()
         self.dense_arch = copy.deepcopy(trained.dense_arch)
@@ -196,6 +199,9 @@ class ServingDLRM(nn.Module):
             mask = torch.tensor([t == name for t in dense_transforms], dtype=torch.bool)
             self.register_buffer(f"{name}_columns", mask, persistent=False)
         self.dense_padding = model_dense_inputs - len(dense_transforms)
+        statistics = torch.tensor(list(dense_statistics or [(0.0, 1.0)] * len(dense_transforms)), dtype=torch.float64)
+        self.register_buffer("mean", statistics.reshape(-1, 2)[:, 0].contiguous(), persistent=False)
+        self.register_buffer("std", statistics.reshape(-1, 2)[:, 1].contiguous(), persistent=False)
 
     def dense_features(self, dense: torch.Tensor) -> torch.Tensor:
         """The dense inputs transformed as the reader transforms them, then the constant 0 of the inputs
@@ -205,6 +211,7 @@ class ServingDLRM(nn.Module):
             "log1p": lambda: torch.log1p(values.clamp_min(0.0)),
             "log_plus_3": lambda: torch.log(values.clamp_min(-2.0) + 3.0),
             "none": lambda: values,
+            "standardize": lambda: (values - self.mean) / self.std,  # as the reader: float64, then float32
         }
         if len(self.transforms) == 1:  # one transform for every column (Criteo's): no selection
             features = transformed[next(iter(self.transforms))]()

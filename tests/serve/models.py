@@ -13,6 +13,7 @@ from app.checkpoint.export import EXPORT_FORMAT, plain_hyper_parameters
 from app.checkpoint.serving_runtime import read_tsv_rows
 from app.data.datamodule import CriteoDataModule
 from app.data.layout import DATA_LAYOUT_KEY
+from app.data.parquet.statistics import STATISTICS_KEY
 from app.data.preprocess import Vocabulary
 from app.data.preprocess.vocabulary import vocabulary_sha256
 from app.model.dlrm import build_dlrm, build_dlrm_arguments
@@ -35,10 +36,11 @@ def counted_vocabulary(train: Path, threshold: int) -> Vocabulary:
 
 def write_model_file(
     path: Path, table_sizes: list[int], seed: int, vocabulary: Vocabulary | None = None, data_layout: dict | None = None,
-    **settings,
+    dense_statistics: dict | None = None, **settings,
 ) -> Path:
     """A model file as ``python -m app export`` writes it, its weights drawn from ``seed``; with ``data_layout``
-    the layout of the data it was trained on (app/data/layout.py; without: Criteo's TSV, as older exports)."""
+    the layout of the data it was trained on (app/data/layout.py; without: Criteo's TSV, as older exports),
+    with ``dense_statistics`` standardize's [mean, std] per column."""
     arguments = dict(embedding_dim=EMBEDDING_DIM, num_embeddings_per_feature=table_sizes, dense_arch_layer_sizes=[16, 8],
                      over_arch_layer_sizes=[16, 1], first_order=True, second_order=True,
                      sparse_optimizer="adagrad", sparse_learning_rate=0.03)  # as configs/demo.yaml  # fmt: skip
@@ -58,6 +60,8 @@ def write_model_file(
     data_state = {} if vocabulary is None else {"frequency_threshold": vocabulary.threshold, "vocabulary": vocabulary.to_plain()}
     if data_layout is not None:
         data_state[DATA_LAYOUT_KEY] = data_layout
+    if dense_statistics is not None:
+        data_state[STATISTICS_KEY] = dense_statistics
     if data_state:
         contents[CriteoDataModule.__name__] = data_state
     torch.save(contents, path)

@@ -24,11 +24,13 @@ from tests.serve.models import write_model_file
 
 HASHED_SIZES = [40, 60] + [300] * 24
 
-# A schema of 3 dense and 2 categorical columns, read into a model of Criteo's shape (13 dense inputs, 26 tables).
+# A schema of 4 dense and 2 categorical columns, read into a model of Criteo's shape (13 dense inputs, 26 tables).
 SCHEMA = ParquetSchema(
-    dense=[DenseColumn("clicks_7d", "log1p", 0.0), DenseColumn("price", "none", 0.0), DenseColumn("age", "none", -1.0)],
+    dense=[DenseColumn("clicks_7d", "log1p", 0.0), DenseColumn("price", "none", 0.0), DenseColumn("age", "none", -1.0),
+           DenseColumn("dwell_s", "standardize", 0.0)],
     categorical=[CategoricalColumn("item", "integer"), CategoricalColumn("shop", "hex")],
-)
+)  # fmt: skip
+DWELL_MEAN_STD = [31.25, 12.5]
 
 
 def flip_middle_bytes(path: Path, count: int = 64) -> None:
@@ -49,24 +51,25 @@ def test_a_fit_checkpoint_and_its_export_record_the_criteo_layout(checkpoint_wri
 
 def test_a_parquet_schema_is_recorded_as_its_columns_and_an_older_checkpoint_reads_as_criteo(tmp_path):
     layout = training_layout("parquet", (tmp_path / "day_0.parquet",), SCHEMA, "log1p")
-    assert [c["name"] for c in layout["dense"]] == ["clicks_7d", "price", "age"]
+    assert [c["name"] for c in layout["dense"]] == ["clicks_7d", "price", "age", "dwell_s"]
     assert [(c["name"], c["ids"], c["max_length"]) for c in layout["categorical"]] == [("item", "integer", 0), ("shop", "hex", 0)]
     older = write_model_file(tmp_path / "older.pt", HASHED_SIZES, seed=1)  # no layout recorded
     assert read_saved_model(older).data_layout == criteo_layout()
 
 
-def test_transform_none_and_integer_ids_are_lowered_and_the_contract_names_the_columns(tmp_path):
+def test_transform_none_standardize_and_integer_ids_are_lowered_and_the_contract_names_the_columns(tmp_path):
     layout = training_layout("parquet", (), SCHEMA, "log1p")
-    path = write_model_file(tmp_path / "schema.pt", HASHED_SIZES, seed=3, data_layout=layout)
+    path = write_model_file(tmp_path / "schema.pt", HASHED_SIZES, seed=3, data_layout=layout, dense_statistics={"dwell_s": DWELL_MEAN_STD})
     saved = read_saved_weights(path)
     serving = build_serving_module(saved, "none", path)
     generator = torch.Generator().manual_seed(0)
-    dense = (torch.randn(50, 3, generator=generator, dtype=torch.float64) * 20).round(decimals=2)  # negatives too
+    dense = (torch.randn(50, 4, generator=generator, dtype=torch.float64) * 20).round(decimals=2)  # negatives too
     ids = torch.randint(0, 2**32, (50, 2), generator=generator)
     # As the Parquet reader hands the model: the transforms in float64, the inputs no column fills 0 / id 0.
     features = torch.zeros(50, 13)
     features[:, 0] = torch.log1p(dense[:, 0].clamp_min(0)).float()
     features[:, 1:3] = dense[:, 1:3].float()
+    features[:, 3] = ((dense[:, 3] - DWELL_MEAN_STD[0]) / DWELL_MEAN_STD[1]).float()
     rows = torch.zeros(50, 26, dtype=torch.int64)
     rows[:, :2] = torch.remainder(ids, torch.tensor(HASHED_SIZES[:2]))
     model = build_dlrm(**build_dlrm_arguments(saved.hyper_parameters), embedding_device="cpu")
@@ -77,9 +80,10 @@ def test_transform_none_and_integer_ids_are_lowered_and_the_contract_names_the_c
         torch.testing.assert_close(serving(dense, ids), expected, rtol=0, atol=1e-6)
     inputs = contract(saved, serving, "none", torch.device("cpu"), 0)["inputs"]
     assert [(i["name"], i["dtype"], i["shape"], i["features"]) for i in inputs] == [
-        ("dense_values", "float64", ["batch", 3], ["clicks_7d", "price", "age"]),
+        ("dense_values", "float64", ["batch", 4], ["clicks_7d", "price", "age", "dwell_s"]),
         ("raw_ids", "int64", ["batch", 2], ["item", "shop"])]  # fmt: skip
-    assert inputs[0]["transforms"] == ["log1p", "none", "none"] and inputs[0]["fills"] == [0.0, 0.0, -1.0]
+    assert inputs[0]["transforms"] == ["log1p", "none", "none", "standardize"] and inputs[0]["fills"] == [0.0, 0.0, -1.0, 0.0]
+    assert inputs[0]["standardize_mean_std"] == [None, None, None, tuple(DWELL_MEAN_STD)]
 
 
 def test_a_model_of_the_schemas_features_shared_tables_and_dims_is_lowered(tmp_path):
@@ -117,10 +121,11 @@ def test_a_model_of_the_schemas_features_shared_tables_and_dims_is_lowered(tmp_p
          "feature 'history' is a list column (max_length 20); the graph takes one id per feature and row"),
         (criteo_layout("multi_hot", "log1p", "hex", -1), "feature 'C1' comes from multi-hot days (several ids per row)"),
         (criteo_layout("numpy", None, None), "feature 'I1' comes from NumPy days that do not record their dense transform"),
-        (dict(criteo_layout(), dense=[{"name": "price", "transform": "standardize", "fill": 0.0}]),
-         "feature 'price' has transform 'standardize'; the graph applies log1p, log_plus_3, none"),
+        (training_layout("parquet", (), SCHEMA, "log1p"), "feature 'dwell_s' is standardised, but the checkpoint holds no mean and std for it"),
+        (dict(criteo_layout(), dense=[{"name": "price", "transform": "rank_gauss", "fill": 0.0}]),
+         "feature 'price' has transform 'rank_gauss'; the graph applies log1p, log_plus_3, none, standardize"),
     ],
-    ids=["string_ids", "list_column", "multi_hot", "numpy_unrecorded", "unknown_transform"],
+    ids=["string_ids", "list_column", "multi_hot", "numpy_unrecorded", "standardize_without_statistics", "unknown_transform"],
 )  # fmt: skip
 def test_a_feature_the_package_cannot_take_is_refused_before_any_compile(layout, message, tmp_path, capsys):
     path = write_model_file(tmp_path / "model.pt", HASHED_SIZES, seed=4, data_layout=layout)
