@@ -107,13 +107,20 @@ def uninterrupted(sample, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def killed_and_resumed(sample, tmp_path_factory) -> tuple[Path, str]:
-    """The same run SIGKILLed (the whole job: both ranks at once) at step 18, two steps after step 16 was
-    checkpointed, then resumed from last."""
+    """The same run on the same rows written as Parquet (``python -m app.data.to_parquet``, whose cached
+    days are the TSV's byte for byte: tests/data/test_parquet.py), SIGKILLed (the whole job: both ranks
+    at once) at step 18, two steps after step 16 was checkpointed, then resumed from last: the Parquet
+    road's kill and resume (the TSV road's: tests/checkpoint/test_run_folder.py)."""
+    from app.data.to_parquet import to_parquet
+
     root = tmp_path_factory.mktemp("killed")
-    killed = run_app(*fit_args(sample, root), *signal_at("SIGKILL", 18))
+    for split in ("train", "val"):
+        to_parquet(str(sample[split]), str(root.parent / "parquet"), row_group_rows=500)  # several row groups
+    parquet = {split: root.parent / "parquet" / f"{split}.parquet" for split in ("train", "val")}
+    killed = run_app(*fit_args(parquet, root), *signal_at("SIGKILL", 18))
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert last_step(root) == 16
-    resumed = run_app(*fit_args(sample, root), "--ckpt_path", "last")
+    resumed = run_app(*fit_args(parquet, root), "--ckpt_path", "last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return root, resumed.stdout + resumed.stderr
 
