@@ -19,19 +19,20 @@ from app.train.module import DLRMModule
 
 ROWS = 512
 # One dense column and five categorical ones: the item of the row and the items the user clicked before
-# share the table "item" (mean-pooled, its own dim), the user and two more have tables of their own.
+# share the table "item" (mean-pooled, its own dim), the user and two more have tables of their own; a
+# column between the two of "item" makes the batches' feature order differ from the tables'.
 SCHEMA = ParquetSchema(
     label="clicked",
     dense=[DenseColumn("price", "log1p", 0.0)],
     categorical=[
         CategoricalColumn("user", "string"),
         CategoricalColumn("item_id", "integer", table="item", dim=4),
-        CategoricalColumn("clicked_items", "integer", max_length=3, table="item", pooling="mean"),
         CategoricalColumn("category", "string"),
+        CategoricalColumn("clicked_items", "integer", max_length=3, table="item", pooling="mean"),
         CategoricalColumn("hour", "integer"),
     ],
 )
-NAMES = ["user", "item_id", "clicked_items", "category", "hour"]
+NAMES = ["user", "item_id", "category", "clicked_items", "hour"]
 SMALL_MODEL = dict(embedding_dim=8, dense_arch_layer_sizes=[8], over_arch_layer_sizes=[8, 1])
 
 
@@ -82,7 +83,7 @@ def test_a_shared_table_gives_both_columns_the_same_row_for_the_same_id(clicks):
     data, batch = clicks["data"], clicks["batch"]
     rows = pq.read_table(clicks["folder"] / "train.parquet").to_pydict()
     distinct = len(set(rows["item_id"])) + len({i for items in rows["clicked_items"] for i in items[:3]})
-    assert data.model_table_sizes[1] == data.model_table_sizes[2] == distinct  # one size covering both columns' ids
+    assert data.model_table_sizes[1] == data.model_table_sizes[3] == distinct  # one size covering both columns' ids
     tables = build_embedding_bag_collection(4, data.model_table_sizes, device="cpu", features=data.model_features)
     pooled = tables(batch.sparse_features).to_dict()
     # Row 0: its item and its one clicked item are the same id, hence the same row of the one table.
@@ -135,7 +136,7 @@ def test_bad_table_settings_are_refused_naming_the_columns_and_the_setting(click
             ParquetSchema(categorical=bad)
     train = str(clicks["folder"] / "train.parquet")
     with pytest.raises(ValueError, match=r"num_embeddings_per_feature gives 100 rows to 'item_id' and 50 to 'clicked_items', which share table 'item'"):
-        CriteoDataModule(train=train, schema=SCHEMA, num_embeddings_per_feature=[10, 100, 50, 10, 10])
+        CriteoDataModule(train=train, schema=SCHEMA, num_embeddings_per_feature=[10, 100, 10, 50, 10])
     with pytest.raises(ValueError, match=r"has 26 sizes; give 5, one per categorical column of data.schema \(user, item_id"):
         CriteoDataModule(train=train, schema=SCHEMA, num_embeddings_per_feature=[10] * 26)
     with pytest.raises(ValueError, match=r"frequency_threshold = 2 does not apply to table 'item' of data.schema, shared by item_id, clicked_items"):
@@ -170,7 +171,7 @@ def test_shared_tables_dims_and_mean_pooling_train_on_2_processes(clicks, tmp_pa
     ]  # fmt: skip
     ranks = run_on_ranks(2, args, tmp_path, _trained_tables)
     sizes = data.model_table_sizes
-    expected = {"t_user": (sizes[0], 8), "t_item": (sizes[1], 4), "t_category": (sizes[3], 8), "t_hour": (sizes[4], 8)}
+    expected = {"t_user": (sizes[0], 8), "t_item": (sizes[1], 4), "t_category": (sizes[2], 8), "t_hour": (sizes[4], 8)}
     for rank in ranks:
         assert rank["shapes"] == expected  # the sharded tables (FBGEMM's): one for the item's two columns, of its own dim
         assert rank["features"] == data.model_features  # what a checkpoint's hyper-parameters keep
