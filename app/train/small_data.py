@@ -28,7 +28,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from app.data.splits import split_files
 
 SETTING = "small_data.below_rows"
-_READ_BYTES = 1 << 20
+_READ_BYTES = 1 << 20  # read at a time while counting TSV lines
 
 
 def add_small_data_arguments(parser: Any) -> None:
@@ -36,7 +36,7 @@ def add_small_data_arguments(parser: Any) -> None:
     parser.add_argument(
         "--small_data.below_rows", type=int, default=0,
         help="fit: with fewer training rows than this, take small_data.config's settings after the first "
-        "--config (the recipe), under every later setting; 0: never",
+        "--config (the recipe), unless the run sets one of them itself; 0: never",
     )  # fmt: skip
     parser.add_argument("--small_data.config", type=str | None, default=None, help="the config for few training rows")
 
