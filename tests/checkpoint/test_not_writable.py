@@ -20,6 +20,7 @@ from torchrec.distributed.types import ShardingPlan
 
 from app.checkpoint import format as checkpoint_format
 from app.checkpoint.run_checkpoint import unwritable_folder
+from app.cli import cli_main
 from tests.checkpoint.test_checkpoint_format import OneProcess, lightning_dict, load_weights
 from tests.multiprocess import rendezvous_port, run_folder
 
@@ -43,6 +44,19 @@ def test_a_fit_refuses_a_checkpoint_folder_it_cannot_write_before_the_first_step
         assert unwritable_folder(folder) == (
             f"checkpoint folder {folder} is not writable (Operation not permitted): set a writable checkpoint.dirpath"
         )
+
+
+def test_a_fit_into_a_checkpoint_folder_it_cannot_write_stops_before_training(sample_dir, tmp_path, capsys):
+    root = tmp_path / "run"
+    (root / "checkpoints").mkdir(parents=True)
+    args = ["fit", "--config", "configs/demo.yaml", "--data.train", str(sample_dir / "train.tsv"), "--data.val", "null",
+            "--trainer.devices", "1", "--trainer.max_steps", "1", "--trainer.default_root_dir", str(root)]  # fmt: skip
+    with immutable(root / "checkpoints"), pytest.raises(SystemExit) as stopped:
+        cli_main(args)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "Traceback" not in err
+    assert f"error: checkpoint folder {root / 'checkpoints'} is not writable (Operation not permitted)" in err
+    assert list((root / "checkpoints").iterdir()) == []
 
 
 def test_a_save_into_a_folder_turned_read_only_names_it_and_keeps_the_previous_checkpoint(tmp_path):
