@@ -37,7 +37,7 @@ def immutable(folder: Path):
         subprocess.run(["chattr", "-i", str(folder)], check=True)
 
 
-def test_a_fit_refuses_a_checkpoint_folder_it_cannot_write_before_the_first_step(tmp_path):
+def test_a_checkpoint_folder_is_writable_when_a_file_can_be_created_in_it(tmp_path):
     assert unwritable_folder(tmp_path / "checkpoints") is None  # made, written, nothing left in it
     assert list((tmp_path / "checkpoints").iterdir()) == []
     with immutable(tmp_path / "checkpoints") as folder:
