@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import select
+import signal
 import socket
+import subprocess
+import sys
+import threading
 
 from lightning.fabric.plugins.environments import ClusterEnvironment, LightningEnvironment, SLURMEnvironment
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -37,11 +42,58 @@ def set_collective_error_defaults() -> None:
 
 class JobLauncher(_SubprocessScriptLauncher):
     """Lightning's launcher of the other local ranks, whose ranks end with this process and carry this
-    launch's job id (app/distributed/job_lifetime.py)."""
+    launch's job id (app/distributed/job_lifetime.py), and which names a rank that a signal ends."""
+
+    def __init__(self, cluster_environment: ClusterEnvironment, num_processes: int, num_nodes: int) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self._killing = threading.Event()  # set when this launcher ends its ranks itself
+        self._rank_ended = threading.Event()  # set once a rank's end has been reported
 
     def _call_children_scripts(self) -> None:
         with children_follow_this_process(self.num_nodes):
             super()._call_children_scripts()
+        first_rank = self.cluster_environment.node_rank() * self.num_processes
+        ranks = {first_rank + local_rank: proc for local_rank, proc in enumerate(self.procs, start=1)}
+        threading.Thread(target=self._name_ranks_a_signal_ends, args=(ranks,), daemon=True).start()
+
+    def kill(self, signum: int) -> None:
+        self._killing.set()
+        super().kill(signum)
+
+    def wait_for_a_rank_to_end(self, timeout_s: float) -> None:
+        """Returns once a rank this launcher started has ended and been named, or after ``timeout_s``: a
+        killed rank closes its connections a moment before its end is known, and the others' errors
+        should come after its name."""
+        self._rank_ended.wait(timeout_s)
+
+    def _name_ranks_a_signal_ends(self, ranks: dict[int, subprocess.Popen]) -> None:
+        """Prints one line for each rank a signal ends (SIGKILL, the OOM killer, a crash) the moment it ends:
+        such a rank says nothing itself, and gloo tells the others only that a connection closed. A rank
+        that exits prints its own error. Waits on pidfds (Linux); elsewhere names nothing."""
+        try:
+            waiting = {os.pidfd_open(proc.pid): (rank, proc) for rank, proc in ranks.items()}
+        except (AttributeError, OSError):  # no pidfds here, or a rank ended already
+            return
+        while waiting:
+            for pidfd in select.select(list(waiting), [], [])[0]:
+                rank, proc = waiting.pop(pidfd)
+                os.close(pidfd)
+                code = proc.wait()
+                if code < 0 and not self._killing.is_set():
+                    print(
+                        f"error: rank {rank} (pid {proc.pid} on {socket.gethostname()}) was killed by "
+                        f"{_signal_name(-code)}; the other ranks' errors follow from it",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                self._rank_ended.set()
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 # Ports for SLURM jobs: below Linux's ephemeral range (32768-60999, net.ipv4.ip_local_port_range), so

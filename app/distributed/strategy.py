@@ -74,6 +74,9 @@ BARRIER_WORK = {
     "cache_conversion": "the raw-TSV cache being converted, app.data.cache",
     "remove_checkpoint": "rank 0 deleting an old checkpoint",
 }
+# How long a rank whose collective failed waits for a rank of its node to end, to name it first: a killed
+# rank closes its connections a moment before its end is known (an error of this rank's own costs it once).
+_RANK_END_WAIT_S = 2.0
 
 
 class TorchRecStrategy(ParallelStrategy):
@@ -461,6 +464,13 @@ class TorchRecStrategy(ParallelStrategy):
         if isinstance(tensor, torch.Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+    def on_exception(self, exception: BaseException) -> None:
+        # Gloo's error on a rank whose peer died says only "Connection reset by peer"; under Lightning's
+        # launcher this process started the other ranks of its node and names one that a signal ends
+        # (JobLauncher): that line comes first.
+        if isinstance(self._launcher, JobLauncher) and isinstance(exception, RuntimeError):
+            self._launcher.wait_for_a_rank_to_end(_RANK_END_WAIT_S)
 
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None

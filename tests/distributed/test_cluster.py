@@ -279,16 +279,19 @@ def test_a_rank_that_reaches_another_jobs_rendezvous_is_told_at_once(monkeypatch
 
 
 def test_a_rank_that_dies_or_freezes_mid_run_ends_the_other_within_the_timeout(sample, tmp_path):
-    """Two nodes of one process each; rank 1 is SIGKILLed (its sockets close) in one job and SIGSTOPped
-    (a frozen node: sockets open, silent) in the other, after its third batch. The two jobs run at once."""
+    """Rank 1 is SIGKILLed (its sockets close) after its third batch in a job of one node of two ranks
+    (Lightning's launcher: rank 0, its parent, names it), and SIGSTOPped (a frozen node: sockets open,
+    silent) in a job of two nodes of one process each. The two jobs run at once."""
 
     def job(signal_name: str) -> Callable[[int], Nodes]:
-        args = app_args(sample, tmp_path / signal_name, "--trainer.devices", "1", "--trainer.num_nodes", "2",
-                        "--trainer.strategy.timeout_s", "10", "--trainer.callbacks+=tests.distributed.cluster_callbacks.StopRank",
+        nodes = 2 if signal_name == "SIGSTOP" else 1
+        args = app_args(sample, tmp_path / signal_name, "--trainer.devices", str(3 - nodes), "--trainer.num_nodes",
+                        str(nodes), "--trainer.strategy.timeout_s", "10",
+                        "--trainer.callbacks+=tests.distributed.cluster_callbacks.StopRank",
                         "--trainer.callbacks.signal_name", signal_name)  # fmt: skip
 
         def start_nodes(port: int) -> Nodes:
-            logs = [tmp_path / f"{signal_name}_{port}_node{n}.log" for n in (0, 1)]
+            logs = [tmp_path / f"{signal_name}_{port}_node{n}.log" for n in range(nodes)]
             return [(node(args, log, node_rank=n, port=port), log) for n, log in enumerate(logs)]
 
         return start_nodes
@@ -300,6 +303,9 @@ def test_a_rank_that_dies_or_freezes_mid_run_ends_the_other_within_the_timeout(s
             (returncode, log), started[signal_name] = launch(start_nodes, started=started[signal_name])
             assert returncode != 0, log[-3000:]
             assert "another rank died or stalled longer than trainer.strategy.init_args.timeout_s" in log, log[-3000:]
+            if signal_name == "SIGKILL":
+                assert re.search(r"\nerror: rank 1 \(pid \d+ on .+\) was killed by SIGKILL; the other ranks' errors "
+                                 r"follow from it\n", log), log[-3000:]  # fmt: skip
             if signal_name == "SIGSTOP":
                 # No peer error can arrive from a frozen rank: only the process-group timeout ends rank 0.
                 assert "timeout" in log.lower() and started[signal_name][1][0].poll() is None, log[-3000:]
