@@ -11,7 +11,6 @@ needs neither the training files nor their cache.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -39,14 +38,13 @@ def training_statistics(request: CacheRequest, schema: ParquetSchema, convert: b
     columns = standardized_columns(schema)
     folder = request.folder.parent / f"{request.folder.name}-{STATISTICS_KEY}"
     fingerprint = request.fingerprint() | {STATISTICS_KEY: [column.name for column in columns]}
-    count: Callable[[Path], None] = lambda out: _write(out, count_statistics(request.inputs, columns))  # noqa: E731
+
+    def count(out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / STATISTICS_FILE).write_text(json.dumps(count_statistics(request.inputs, columns), indent=1) + "\n")
+
     done = cached_folder(folder, fingerprint, count, convert, request.wait_s)
     return json.loads((done / STATISTICS_FILE).read_text())
-
-
-def _write(folder: Path, statistics: DenseStatistics) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / STATISTICS_FILE).write_text(json.dumps(statistics, indent=1) + "\n")
 
 
 def count_statistics(paths: tuple[Path, ...], columns: list[DenseColumn]) -> DenseStatistics:
