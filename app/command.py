@@ -36,7 +36,7 @@ def check_config_files(args: Sequence[str]) -> None:
     for path in _config_arguments(args):
         if not Path(path).is_file():
             if isinstance(_yaml_or_none(path), str):  # a path, not YAML text (jsonargparse's own rule)
-                raise FileNotFoundError(f"--config {path}: no such file")
+                raise FileNotFoundError(f"--config {path}: {'not a file' if Path(path).exists() else 'no such file'}")
             continue
         try:
             text = Path(path).read_text(encoding="utf-8")
