@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 
@@ -74,7 +75,7 @@ def read_saved_weights(source: Path) -> SavedWeights:
     ids = None
     if vocabulary is not None:
         arrays = vocabulary.ids if hasattr(vocabulary, "ids") else vocabulary["ids"]
-        ids = [torch.as_tensor(array, dtype=torch.int64) for array in arrays]
+        ids = [torch.tensor(np.asarray(array), dtype=torch.int64) for array in arrays]  # a copy: the files are read-only maps
     statistics = dict(data_state.get(DENSE_STATISTICS_KEY) or {})
     return SavedWeights(dict(hyper_parameters), state_dict, ids, threshold, saved.data_layout, statistics)
 
