@@ -89,7 +89,8 @@ def port_holder(port: int) -> str:
 
 
 def _socket_inodes(port: int) -> set[str]:
-    """The inodes of this node's TCP sockets bound to ``port`` (listening, bound or connected from it)."""
+    """The inodes of this node's TCP sockets on ``port``, listening or connected from it (/proc lists no
+    socket that is only bound: its holder stays unnamed)."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
