@@ -120,7 +120,9 @@ def running_job(sample, tmp_path_factory) -> Iterator[RunningJob]:
     """A job of 2 nodes x 2 ranks whose node 1 never starts: node 0's ranks wait at their rendezvous
     (rank 0 hosts it) until the test ends them; yielded once rank 0 hosts it (rank 1 may still start)."""
     folder = tmp_path_factory.mktemp("running_job")
-    args = app_args(sample, folder, "--trainer.devices", "2", "--trainer.num_nodes", "2")
+    # Its rendezvous outlasts the tests however busy the machine (the fixture ends it).
+    args = app_args(sample, folder, "--trainer.devices", "2", "--trainer.num_nodes", "2",
+                    "--trainer.strategy.rendezvous_timeout_s", "3600")  # fmt: skip
     port, log = _free_port(), folder / "log"
     launcher = _start(args, log, port)
     try:
