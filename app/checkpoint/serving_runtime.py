@@ -4,10 +4,12 @@ This module imports nothing but the standard library and torch, so a server may 
 it by path) without the app, TorchRec or FBGEMM installed::
 
     from serving_runtime import ServingPackage
-    package = ServingPackage("model.pt2")          # reads model.contract.json beside it
+    package = ServingPackage("model.pt2")          # reads model.contract.json beside it, checks the CRC-32
     probabilities = package.score(dense_counts, raw_ids)   # (B, 13) and (B, 26) int64 -> (B,) float32
 
-``score`` checks the inputs against the contract first (dtype, shape, feature count, batch size, ids that
+Loading first compares the package's CRC-32 with its contract's: a damaged file is refused in one line
+naming it, before torch reads it. A model trained on a data schema takes its dense columns as float64
+(``dense_values``) and its id columns, as the contract names them. ``score`` checks the inputs against the contract first (dtype, shape, feature count, batch size, ids that
 int64 cannot hold), with a ValueError naming the input: AOTInductor's own checks name inputs by position
 only, and an id beyond int64 would otherwise wrap silently in a numpy conversion.
 """
