@@ -200,26 +200,32 @@ def test_ranks_that_chose_different_run_folders_all_stop_with_the_same_line(samp
     assert not [path for root in roots for path in root.rglob("*") if path.is_file()]  # stopped before any work
 
 
-CHILD = "import sys; from app.checkpoint.run_folder import fit_run_folder; print(fit_run_folder(sys.argv[1], None, None))"
+# Each case sets the launcher's variable and LOCAL_RANK as a started process would find them, then chooses.
+CHILD = """
+import json, os, sys
+from app.checkpoint.run_folder import RUN_FOLDER_VARIABLE, fit_run_folder
+chosen = []
+for case in json.loads(sys.argv[1]):
+    os.environ[RUN_FOLDER_VARIABLE] = json.dumps(case["decision"])
+    os.environ.pop("LOCAL_RANK", None)
+    if case["local_rank"] is not None:
+        os.environ["LOCAL_RANK"] = case["local_rank"]
+    chosen.append(fit_run_folder(case["decision"]["asked"], None, None))
+print(json.dumps(chosen))
+"""
 
 
-@pytest.mark.parametrize(
-    ("chosen_by", "local_rank", "inherits"),
-    [("the_parent", "1", True), ("another_process", "1", False), ("the_parent", None, False), ("the_parent", "0", False)],
-)
-def test_a_rank_started_by_the_launching_process_takes_its_choice(chosen_by, local_rank, inherits, tmp_path, monkeypatch):
+def test_a_rank_started_by_the_launching_process_takes_its_choice(tmp_path):
     """Lightning's launcher starts the other local ranks (LOCAL_RANK > 0) after the first one parsed, with its
     environment; a first process whose parent parsed a fit in-process (a notebook, a test runner) chooses
-    for itself."""
+    for itself, as does one whose variable was left by a process that is not its parent. One child process
+    takes every case (its parent is this process)."""
     asked = str(tmp_path / "run")
     other = subprocess.Popen([sys.executable, "-c", "pass"])
     other.wait()  # a variable left by a process that is no one's parent here (an earlier run, a shell's)
-    pid = os.getpid() if chosen_by == "the_parent" else other.pid
-    monkeypatch.setenv(RUN_FOLDER_VARIABLE, json.dumps({"pid": pid, "asked": asked, "root": f"{asked}-7"}))
-    if local_rank is None:
-        monkeypatch.delenv("LOCAL_RANK", raising=False)
-    else:
-        monkeypatch.setenv("LOCAL_RANK", local_rank)
-    child = subprocess.run([sys.executable, "-c", CHILD, asked], capture_output=True, text=True, cwd=REPO, check=True)
-    assert child.stdout.strip() == (f"{asked}-7" if inherits else asked)
+    # (variable's pid, LOCAL_RANK, whether the child takes the variable's choice)
+    cases = [(os.getpid(), "1", True), (other.pid, "1", False), (os.getpid(), None, False), (os.getpid(), "0", False)]
+    request = [{"decision": {"pid": pid, "asked": asked, "root": f"{asked}-7"}, "local_rank": rank} for pid, rank, _ in cases]
+    child = subprocess.run([sys.executable, "-c", CHILD, json.dumps(request)], capture_output=True, text=True, cwd=REPO, check=True)
+    assert json.loads(child.stdout) == [f"{asked}-7" if inherits else asked for _, _, inherits in cases]
     assert fit_run_folder(asked, None, None) == asked  # this process chooses for itself: nothing to continue here
