@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from lightning.pytorch import LightningModule
 from torch import nn
@@ -34,11 +35,11 @@ from app.cli import run_cli
 from app.criteo import NUM_DENSE, expand_table_sizes
 from app.data.batches import CriteoBatch
 from app.model.dlrm import build_embedding_bag_collection
-from app.data.datamodule import counted_table_sizes
+from app.data.datamodule import CriteoDataModule, counted_table_sizes
 from app.notices import silence_library_notices
 from app.train.host_group import host_process_group
 from app.train.log_steps import RunningMean, metrics_written_after_this_batch
-from app.train.metrics import build_eval_metrics, sync_exact_auc_through
+from app.train.metrics import GroupAUC, build_eval_metrics, sync_exact_auc_through
 from app.train.optimizers import build_optimizer, fuse_sparse_optimizer
 from app.train.pipeline import click_loss
 
@@ -94,6 +95,8 @@ class LogisticRegressionModule(LightningModule):
         self._train_loss = RunningMean()
         self.val_metrics = build_eval_metrics("val/", "exact")
         self.test_metrics = build_eval_metrics("test/", "exact")
+        # GAUC where the data has a group column (data.schema.group), as the DLRM's module computes it.
+        self.val_gauc, self.test_gauc = GroupAUC(), GroupAUC()
 
     def _build_embeddings(self, num_embeddings_per_feature: int | list[int]) -> None:
         features = self.hparams.features
@@ -123,6 +126,8 @@ class LogisticRegressionModule(LightningModule):
             group = host_process_group()
             sync_exact_auc_through(self.val_metrics, group)
             sync_exact_auc_through(self.test_metrics, group)
+            if self._eval_groups("test" if stage == "test" else "val") is not None:
+                self.val_gauc.process_group = self.test_gauc.process_group = group
 
     def training_step(self, batch: CriteoBatch, batch_idx: int) -> torch.Tensor:
         loss = click_loss(self(batch), batch)
@@ -135,16 +140,27 @@ class LogisticRegressionModule(LightningModule):
         self._train_loss = RunningMean()
 
     def validation_step(self, batch: CriteoBatch, batch_idx: int) -> None:
-        self._evaluate(batch, self.val_metrics)
+        self._evaluate(batch, self.val_metrics, "val")
 
     def test_step(self, batch: CriteoBatch, batch_idx: int) -> None:
-        self._evaluate(batch, self.test_metrics)
+        self._evaluate(batch, self.test_metrics, "test")
 
-    def _evaluate(self, batch: CriteoBatch, metrics: MetricCollection) -> None:
+    def _evaluate(self, batch: CriteoBatch, metrics: MetricCollection, split: str) -> None:
         valid = batch.valid_rows  # padding rows that even out the ranks' batches are not scored
         probabilities = torch.sigmoid(self(batch).float())[valid]
         metrics.update(probabilities, batch.labels[valid].long())
         self.log_dict(metrics, on_step=False, on_epoch=True, prog_bar=True, batch_size=batch.labels.numel())
+        groups = self._eval_groups(split)
+        if groups is not None:  # each row's group, looked up by its row id in the split (on the host)
+            group_auc = self.val_gauc if split == "val" else self.test_gauc
+            rows = batch.row_ids[valid].cpu().numpy()
+            group_auc.update(probabilities, batch.labels[valid].long(), torch.from_numpy(groups[rows]))
+            self.log(f"{split}/gauc", group_auc, on_step=False, on_epoch=True, prog_bar=True, batch_size=batch.labels.numel())
+
+    def _eval_groups(self, split: str) -> np.ndarray | None:
+        """The group id of each row of the split, by row id, where the data has a group column."""
+        datamodule = self.trainer.datamodule
+        return datamodule.eval_groups.get(split) if isinstance(datamodule, CriteoDataModule) else None
 
     def configure_optimizers(self) -> Any:
         """The dense layer's optimizer (and that of tables the planner replicated, at the tables' rate);

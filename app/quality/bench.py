@@ -7,9 +7,12 @@ command line in fresh processes, then the hashed logistic regression of
 strategy and processes), one run per baseline learning rate. Both are scored by the app's metrics
 on the same validation rows; each run's best validation (by AUC) is kept. Prints one JSON line per
 model: AUC, log loss, NE and calibration at the best validation, its epoch and step, the rows and
-epochs trained; the recipe's line also the AUC difference from the baseline. Where the validation
-rows were written by app/data/synthetic.py (the bundled sample), both lines carry the generator's
-Bayes-optimal AUC on them, the most any model can reach.
+epochs trained; the recipe's line also the AUC difference from the baseline. Where the data has a
+group column (``data.schema.group``), both lines also carry the GAUC (per-group AUC weighted by the
+groups' rows, app/train/metrics.py) at that validation, and the recipe's line its difference from the
+baseline's. Where the validation rows were written by app/data/synthetic.py (the bundled sample), both
+lines carry the generator's Bayes-optimal AUC on them, the most any model can reach; for a Parquet
+file that records its planted truth's AUC and GAUC (data/make_own_data.py), those.
 
 Examples::
 
@@ -31,7 +34,7 @@ from typing import Any
 import yaml
 
 from app.quality.baseline import BaselineOptimizer
-from app.quality.planted import bayes_optimal_auc
+from app.quality.planted import bayes_optimal_auc, recorded_truth
 from app.quality.runs import FinishedRun, best_validation, fit, read_metrics
 from app.command import run_command
 from app.data.splits import split_files
@@ -75,7 +78,8 @@ def quality_bench(
         baseline_epochs: epochs of each baseline run, validated as the recipe validates (every epoch
             unless its trainer says otherwise); the best validation counts.
         bayes_auc: report the Bayes-optimal AUC of the validation rows when they are raw TSV written by
-            app/data/synthetic.py (reads them once more; off: null).
+            app/data/synthetic.py (reads them once more), or the AUC and GAUC a Parquet file records of
+            its planted truth (off: null).
         output: also write the JSON lines to this file.
         run_dir: where the runs write (``recipe/``, ``baseline_lr_<rate>/``: logs, metrics.csv, the
             config each ran with); default: a temporary folder, removed at the end.
@@ -89,12 +93,12 @@ def quality_bench(
         recipe_run = fit(RECIPE_MODULE, recipe_settings, folder / "recipe")
         resolved = yaml.safe_load((recipe_run.log_folder / "config.yaml").read_text())
         recipe_result = _result(recipe_run, resolved)
-        _progress(f"recipe: best val AUC {recipe_result['val_auc']:.4f} ({recipe_run.wall_s:.0f} s)")
+        _progress(f"recipe: best val AUC {recipe_result['val_auc']:.4f}{_gauc_words(recipe_result)} ({recipe_run.wall_s:.0f} s)")
         baselines = {
             rate: train_baseline(resolved, baseline_optimizer, rate, baseline_epochs, folder / f"baseline_lr_{rate:g}")
             for rate in baseline_learning_rates
         }
-    ceiling = _bayes_optimal_auc(resolved["data"]) if bayes_auc else None
+    ceiling = _bayes_optimal(resolved["data"]) if bayes_auc else (None, None)
     lines = result_lines(recipe, recipe_args, resolved, recipe_result, baselines, baseline_optimizer, baseline_epochs, ceiling)
     for line in lines:
         print(json.dumps(line), flush=True)
@@ -167,7 +171,7 @@ def train_baseline(resolved: dict[str, Any], optimizer: str, learning_rate: floa
     _progress(f"training the logistic regression, {optimizer} lr {learning_rate:g} ({BASELINE_MODULE})")
     run = fit(BASELINE_MODULE, ["--config", str(config_file)], folder)
     result = _result(run, resolved)
-    _progress(f"baseline lr {learning_rate:g}: best val AUC {result['val_auc']:.4f} ({run.wall_s:.0f} s)")
+    _progress(f"baseline lr {learning_rate:g}: best val AUC {result['val_auc']:.4f}{_gauc_words(result)} ({run.wall_s:.0f} s)")
     return result
 
 
@@ -205,13 +209,15 @@ def _result(run: FinishedRun, resolved: dict[str, Any]) -> dict[str, Any]:
     return {**best_validation(read_metrics(run.log_folder / "metrics.csv"), global_batch_size(resolved)), "wall_s": run.wall_s}
 
 
-def _bayes_optimal_auc(data: dict[str, Any]) -> float | None:
-    """The planted truth's AUC on the validation rows the runs scored (None: not the generator's rows)."""
+def _bayes_optimal(data: dict[str, Any]) -> tuple[float | None, float | None]:
+    """The planted truth's AUC and GAUC on the validation rows the runs scored (None: not known)."""
     specs = {name: data[name] for name in ("val",) if data.get(name) is not None}
     files = split_files(specs, data.get("split"), data.get("root"), data.get("format", "auto"), ["val"]).get("val")
+    if files is not None and files.format == "parquet":
+        return recorded_truth(files.files, files.part)
     if files is None or files.format != "tsv":
-        return None
-    return bayes_optimal_auc(files.files, files.part, data.get("on_bad_rows", "error"))
+        return None, None
+    return bayes_optimal_auc(files.files, files.part, data.get("on_bad_rows", "error")), None
 
 
 def result_lines(
@@ -222,7 +228,7 @@ def result_lines(
     baselines: dict[float, dict[str, Any]],
     baseline_optimizer: str,
     baseline_epochs: int,
-    bayes_auc: float | None,
+    bayes_optimal: tuple[float | None, float | None],
 ) -> list[dict[str, Any]]:
     """The recipe's line and the best baseline's."""
     best_rate = max(baselines, key=lambda rate: baselines[rate]["val_auc"])
@@ -233,11 +239,13 @@ def result_lines(
         "train": data.get("train") or f"{data.get('split')}: {data.get('root')}",
         "val": data.get("val") or f"{data.get('split')}: {data.get('root')}",
         "seed": resolved.get("seed_everything"),
-        "val_bayes_optimal_auc": bayes_auc,
+        "val_bayes_optimal_auc": bayes_optimal[0],
+        "val_bayes_optimal_gauc": bayes_optimal[1],
     }
     recipe_line = {
         **common, "model": "recipe", "recipe": recipe, "recipe_args": recipe_args, **recipe_result,
         "val_auc_minus_baseline": recipe_result["val_auc"] - baseline["val_auc"],
+        "val_gauc_minus_baseline": _difference(recipe_result["val_gauc"], baseline["val_gauc"]),
         "beats_baseline": recipe_result["val_auc"] >= baseline["val_auc"],
     }  # fmt: skip
     baseline_line = {
@@ -246,6 +254,14 @@ def result_lines(
         "val_auc_per_learning_rate": {f"{rate:g}": result["val_auc"] for rate, result in baselines.items()},
     }  # fmt: skip
     return [recipe_line, baseline_line]
+
+
+def _gauc_words(result: dict[str, Any]) -> str:
+    return "" if result["val_gauc"] is None else f", GAUC {result['val_gauc']:.4f}"
+
+
+def _difference(recipe: float | None, baseline: float | None) -> float | None:
+    return None if recipe is None or baseline is None else recipe - baseline
 
 
 def _progress(message: str) -> None:

@@ -1,4 +1,5 @@
-"""The best AUC any model can reach on rows that app/data/synthetic.py wrote (the bundled sample).
+"""The best AUC any model can reach on rows that app/data/synthetic.py wrote (the bundled sample), or
+that a Parquet file's writer recorded for its rows (data/make_own_data.py).
 
 The generator plants a true click logit and exposes it for rows it has just sampled
 (``synthetic.true_logits``), not for a file it wrote earlier. Here a file is read back with the
@@ -8,6 +9,10 @@ Bayes-optimal, so their AUC against the file's labels is the ceiling for those r
 ids are not the generator's (real data, another generator) has no such ceiling: None.
 
 Nothing here changes the generator or what it writes.
+
+A Parquet file may carry its planted truth's AUC and GAUC in its key-value metadata
+(``planted_truth_auc``, ``planted_truth_gauc``, as Python writes a float), computed by its writer on
+exactly its rows; :func:`recorded_truth` reads them.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 
 from app.criteo import NUM_DENSE, NUM_SPARSE
 from app.data.splits import RowPart, part_rows
@@ -100,3 +106,17 @@ def bayes_optimal_auc(
     if logits is None:
         return None
     return rank_auc(logits[start:stop], rows.labels[start:stop])
+
+
+# The key-value metadata a Parquet file's writer records its planted truth's figures under.
+TRUTH_AUC_KEY, TRUTH_GAUC_KEY = "planted_truth_auc", "planted_truth_gauc"
+
+
+def recorded_truth(paths: Sequence[str | Path], part: RowPart = "all") -> tuple[float | None, float | None]:
+    """The planted truth's (AUC, GAUC) that one whole Parquet file records for its rows; (None, None)
+    for several files or a part of one (the figures are the whole file's), or a file without them."""
+    if len(paths) != 1 or part != "all":
+        return None, None
+    metadata = pq.read_schema(paths[0]).metadata or {}
+    auc, gauc = (metadata.get(key.encode()) for key in (TRUTH_AUC_KEY, TRUTH_GAUC_KEY))
+    return (None if auc is None else float(auc)), (None if gauc is None else float(gauc))

@@ -16,6 +16,8 @@ from typing import Any
 CSV_LOGGER = '[{"class_path": "app.train.loggers.RunCSVLogger", "init_args": {"name": "csv"}}]'
 # The metrics every validation logs (app/train/metrics.py), by the name the bench reports.
 REPORTED_METRICS = {"val_auc": "val/auc", "val_logloss": "val/logloss", "val_ne": "val/ne", "val_calibration": "val/calibration"}
+# Logged only where the data has a group column (data.schema.group): None otherwise.
+GROUP_METRICS = {"val_gauc": "val/gauc"}
 
 
 @dataclass
@@ -77,10 +79,11 @@ def read_metrics(metrics_csv: Path) -> RunMetrics:
         # Lightning's own rows; callbacks that write to the logger directly (rank_health) leave epoch empty.
         rows = [row for row in csv.DictReader(f) if row.get("epoch")]
     validations = [
-        {"epoch": int(row["epoch"]), "step": int(row["step"]), **{key: float(row[name]) for key, name in REPORTED_METRICS.items()}}
+        {"epoch": int(row["epoch"]), "step": int(row["step"]), **{key: float(row[name]) for key, name in REPORTED_METRICS.items()},
+         **{key: float(row[name]) if row.get(name) else None for key, name in GROUP_METRICS.items()}}
         for row in rows
         if row.get("val/auc")
-    ]
+    ]  # fmt: skip
     if not validations:
         raise ValueError(f"{metrics_csv}: no validation was written (val/auc); the run needs validation rows (val)")
     return RunMetrics(validations, max(int(row["epoch"]) for row in rows), max(int(row["step"]) for row in rows))
@@ -97,6 +100,7 @@ def best_validation(metrics: RunMetrics, global_batch_size: int | None) -> dict[
     best = max(metrics.validations, key=lambda v: v["val_auc"])  # max keeps the first of equal AUCs
     return {
         **{key: best[key] for key in REPORTED_METRICS},
+        **{key: best.get(key) for key in GROUP_METRICS},  # at the same validation: the best by AUC
         "best_epoch": best["epoch"] + 1,
         "best_step": best["step"] + 1,
         "rows_trained_at_best": _rows(best["step"] + 1, global_batch_size),

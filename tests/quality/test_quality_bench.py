@@ -11,7 +11,7 @@ import yaml
 
 from app.quality import bench, planted
 from app.quality.baseline import ROW_WIDTH, LogisticRegressionModule
-from app.quality.runs import RunMetrics, best_validation
+from app.quality.runs import RunMetrics, best_validation, read_metrics
 from app.data.batches import make_batch
 from app.data.source import RowBlock
 from app.data.synthetic import write_synthetic_criteo
@@ -19,7 +19,7 @@ from app.data.synthetic import write_synthetic_criteo
 LINE_KEYS = {
     "bench", "model", "train", "val", "seed", "val_auc", "val_logloss", "val_ne", "val_calibration", "best_epoch",
     "best_step", "rows_trained_at_best", "epochs_trained", "steps_trained", "rows_trained", "val_auc_per_validation",
-    "wall_s", "val_bayes_optimal_auc",
+    "wall_s", "val_bayes_optimal_auc", "val_gauc", "val_bayes_optimal_gauc",
 }  # fmt: skip
 
 
@@ -43,6 +43,7 @@ def test_the_bench_trains_the_recipe_and_the_baseline_on_the_same_rows(sample_di
         assert line["val_auc"] == max(line["val_auc_per_validation"])
         # The generator's own score of the 1,024 validation rows, recovered from the file.
         assert line["val_bayes_optimal_auc"] == write_synthetic_criteo(tmp_path / "v.tsv", 1_024, seed=102).bayes_auc
+        assert line["val_gauc"] is line["val_bayes_optimal_gauc"] is None  # Criteo TSV has no group column
     assert (recipe["epochs_trained"], recipe["steps_trained"], recipe["rows_trained"]) == (1, 4, 4_096)
     assert (baseline["epochs_trained"], baseline["steps_trained"], baseline["rows_trained"]) == (2, 8, 8_192)
     # Validated as the recipe's trainer says: the demo's twice an epoch (2 of its 4 steps).
@@ -51,6 +52,7 @@ def test_the_bench_trains_the_recipe_and_the_baseline_on_the_same_rows(sample_di
     assert (baseline["optimizer"], baseline["learning_rate"], baseline["max_epochs"]) == ("adagrad", 0.1, 2)
     assert baseline["val_auc_per_learning_rate"] == {"0.1": baseline["val_auc"]}
     assert recipe["val_auc_minus_baseline"] == recipe["val_auc"] - baseline["val_auc"]
+    assert recipe["val_gauc_minus_baseline"] is None
     # The same rows, features and trainer: the baseline ran the recipe's resolved data section as is.
     ran = {name: yaml.safe_load(next((tmp_path / "runs" / name).glob("csv/version_*/config.yaml")).read_text())
            for name in ("recipe", "baseline_lr_0.1")}  # fmt: skip
@@ -115,6 +117,20 @@ def test_the_best_validation_is_the_first_highest_auc_and_rows_count_whole_batch
     best = best_validation(RunMetrics(validations, last_epoch=3, last_step=39), global_batch_size=256)
     assert (best["val_auc"], best["best_epoch"], best["best_step"], best["rows_trained_at_best"]) == (0.72, 2, 20, 5_120)
     assert (best["epochs_trained"], best["steps_trained"], best["rows_trained"]) == (4, 40, 10_240)
+
+
+def test_gauc_is_read_at_the_best_auc_validation_where_the_data_has_groups(tmp_path):
+    # Lightning's metrics.csv: one row per validation (val/ columns) and per logged training step.
+    header = "epoch,step,train/loss,val/auc,val/calibration,val/gauc,val/logloss,val/ne\n"
+    (tmp_path / "grouped.csv").write_text(header + "0,9,0.5,,,,,\n0,9,,0.70,1.0,0.61,0.5,0.9\n1,19,,0.72,1.0,0.60,0.5,0.9\n")
+    (tmp_path / "plain.csv").write_text(header.replace("val/gauc,", "") + "0,9,,0.70,1.0,0.5,0.9\n")
+    assert best_validation(read_metrics(tmp_path / "grouped.csv"), 256)["val_gauc"] == 0.60
+    assert best_validation(read_metrics(tmp_path / "plain.csv"), 256)["val_gauc"] is None
+    resolved = {"data": {"train": "t.parquet", "val": "v.parquet"}, "seed_everything": 0}
+    recipe, baseline = {"val_auc": 0.75, "val_gauc": 0.71}, {"val_auc": 0.72, "val_gauc": 0.66}
+    lines = bench.result_lines("r.yaml", [], resolved, recipe, {0.1: baseline}, "adagrad", 3, (0.82, 0.79))
+    assert lines[0]["val_gauc_minus_baseline"] == 0.71 - 0.66 and lines[1]["val_gauc"] == 0.66
+    assert [(line["val_bayes_optimal_auc"], line["val_bayes_optimal_gauc"]) for line in lines] == [(0.82, 0.79)] * 2
 
 
 def test_the_bayes_optimal_auc_is_the_generators_and_none_for_other_rows(tmp_path):
