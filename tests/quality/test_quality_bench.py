@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,12 +25,24 @@ LINE_KEYS = {
 }  # fmt: skip
 
 
-def test_the_bench_trains_the_recipe_and_the_baseline_on_the_same_rows(sample_dir, tmp_path, capsys):
-    # 4,096 training rows in global batches of 2 x 512: 4 steps per epoch; 1,024 validation rows.
+def _own_data_generator():
+    spec = importlib.util.spec_from_file_location("make_own_data", Path("data/make_own_data.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_bench_trains_the_recipe_and_the_baseline_on_the_same_rows(tmp_path, capsys):
+    # docs/own-data.md's logs, with a group column and a list column: 4,096 training rows in global
+    # batches of 2 x 512, 4 steps per epoch; 819 validation rows. Its config names its own files, so
+    # the rows follow it in recipe_args (a --train would come before it).
+    truth = _own_data_generator().write_files(tmp_path / "own", 4_096, seed=0)["val"]
     argv = [
-        "--train", str(sample_dir / "train.tsv"), "--val", str(sample_dir / "val.tsv"), "--epochs", "1",
-        "--recipe_args", json.dumps(["--data.batch_size", "512", "--data.cache_dir", str(tmp_path / "cache"),
-                                    "--trainer.enable_checkpointing", "false"]),
+        "--recipe", "configs/demo.yaml", "--epochs", "1",
+        "--recipe_args", json.dumps(["--config", "configs/own_data.yaml", "--data.train", str(tmp_path / "own" / "train.parquet"),
+                                     "--data.val", str(tmp_path / "own" / "val.parquet"), "--data.predict", None,
+                                     "--data.batch_size", "512", "--data.cache_dir", str(tmp_path / "cache"),
+                                     "--trainer.enable_checkpointing", "false"]),
         "--baseline_epochs", "2", "--baseline_learning_rates", "[0.1]",
         "--output", str(tmp_path / "quality.jsonl"), "--run_dir", str(tmp_path / "runs"),
     ]  # fmt: skip
@@ -41,9 +55,9 @@ def test_the_bench_trains_the_recipe_and_the_baseline_on_the_same_rows(sample_di
         assert LINE_KEYS <= set(line)
         assert 0 < line["val_auc"] < 1 and line["val_logloss"] > 0 and line["val_ne"] > 0 and line["val_calibration"] > 0
         assert line["val_auc"] == max(line["val_auc_per_validation"])
-        # The generator's own score of the 1,024 validation rows, recovered from the file.
-        assert line["val_bayes_optimal_auc"] == write_synthetic_criteo(tmp_path / "v.tsv", 1_024, seed=102).bayes_auc
-        assert line["val_gauc"] is line["val_bayes_optimal_gauc"] is None  # Criteo TSV has no group column
+        assert 0 < line["val_gauc"] < 1  # both models, per user (the schema's group)
+        # The ceiling the generator recorded in the validation file.
+        assert (line["val_bayes_optimal_auc"], line["val_bayes_optimal_gauc"]) == (truth["planted_truth_auc"], truth["planted_truth_gauc"])
     assert (recipe["epochs_trained"], recipe["steps_trained"], recipe["rows_trained"]) == (1, 4, 4_096)
     assert (baseline["epochs_trained"], baseline["steps_trained"], baseline["rows_trained"]) == (2, 8, 8_192)
     # Validated as the recipe's trainer says: the demo's twice an epoch (2 of its 4 steps).
@@ -52,7 +66,7 @@ def test_the_bench_trains_the_recipe_and_the_baseline_on_the_same_rows(sample_di
     assert (baseline["optimizer"], baseline["learning_rate"], baseline["max_epochs"]) == ("adagrad", 0.1, 2)
     assert baseline["val_auc_per_learning_rate"] == {"0.1": baseline["val_auc"]}
     assert recipe["val_auc_minus_baseline"] == recipe["val_auc"] - baseline["val_auc"]
-    assert recipe["val_gauc_minus_baseline"] is None
+    assert recipe["val_gauc_minus_baseline"] == recipe["val_gauc"] - baseline["val_gauc"]
     # The same rows, features and trainer: the baseline ran the recipe's resolved data section as is.
     ran = {name: yaml.safe_load(next((tmp_path / "runs" / name).glob("csv/version_*/config.yaml")).read_text())
            for name in ("recipe", "baseline_lr_0.1")}  # fmt: skip
@@ -136,6 +150,8 @@ def test_gauc_is_read_at_the_best_auc_validation_where_the_data_has_groups(tmp_p
 def test_the_bayes_optimal_auc_is_the_generators_and_none_for_other_rows(tmp_path):
     summary = write_synthetic_criteo(tmp_path / "rows.tsv", 3_000, seed=5)
     assert planted.bayes_optimal_auc([tmp_path / "rows.tsv"]) == summary.bayes_auc
+    # The bench's own lookup on its resolved data section: raw TSV has no GAUC ceiling.
+    assert bench._bayes_optimal({"val": str(tmp_path / "rows.tsv"), "format": "auto"}) == (summary.bayes_auc, None)
     # The reader's missing id (0) is no id of the generator's: 0 can stand for missing.
     assert all((hashes != 0).all() for hashes in planted.world_id_hashes())
     lines = (tmp_path / "rows.tsv").read_text().splitlines()
