@@ -88,7 +88,9 @@ def true_logits(truth: dict[str, np.ndarray], kind: str, user, item, device, pri
     return logit + sum((f * g).sum(axis=1) for f, g in combinations(factors, 2))
 
 
-def rows(truth: dict[str, np.ndarray], num_rows: int, seed: int, kind: str) -> tuple[pa.Table, np.ndarray, np.ndarray, np.ndarray]:
+def rows(
+    truth: dict[str, np.ndarray], num_rows: int, seed: int, kind: str
+) -> tuple[pa.Table, np.ndarray, np.ndarray, np.ndarray]:
     """One file's rows with their labels, true click probabilities and users."""
     rng = np.random.default_rng(seed)
     user = rng.choice(USERS, num_rows, p=truth["user_share"])
@@ -141,7 +143,8 @@ def main() -> None:
     parser.add_argument("--output", required=True, help="folder for train.parquet, val.parquet and predict.parquet")
     parser.add_argument("--rows", type=int, default=200_000, help="training rows (validation: a fifth, predict: a tenth)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--truth", choices=TRUTHS, default="fm", help="fm: per-id effects and pairwise interactions; additive: per-id effects only")
+    parser.add_argument("--truth", choices=TRUTHS, default="fm",
+                        help="fm: per-id effects and pairwise interactions; additive: per-id effects only")  # fmt: skip
     args = parser.parse_args()
     folder = Path(args.output)
     for name, figures in write_files(folder, args.rows, args.seed, args.truth).items():

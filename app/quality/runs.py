@@ -79,7 +79,8 @@ def read_metrics(metrics_csv: Path) -> RunMetrics:
         # Lightning's own rows; callbacks that write to the logger directly (rank_health) leave epoch empty.
         rows = [row for row in csv.DictReader(f) if row.get("epoch")]
     validations = [
-        {"epoch": int(row["epoch"]), "step": int(row["step"]), **{key: float(row[name]) for key, name in REPORTED_METRICS.items()},
+        {"epoch": int(row["epoch"]), "step": int(row["step"]),
+         **{key: float(row[name]) for key, name in REPORTED_METRICS.items()},
          **{key: float(row[name]) if row.get(name) else None for key, name in GROUP_METRICS.items()}}
         for row in rows
         if row.get("val/auc")

@@ -57,7 +57,8 @@ def test_the_bench_trains_the_recipe_and_the_baseline_on_the_same_rows(tmp_path,
         assert line["val_auc"] == max(line["val_auc_per_validation"])
         assert 0 < line["val_gauc"] < 1  # both models, per user (the schema's group)
         # The ceiling the generator recorded in the validation file.
-        assert (line["val_bayes_optimal_auc"], line["val_bayes_optimal_gauc"]) == (truth["planted_truth_auc"], truth["planted_truth_gauc"])
+        ceiling = (line["val_bayes_optimal_auc"], line["val_bayes_optimal_gauc"])
+        assert ceiling == (truth["planted_truth_auc"], truth["planted_truth_gauc"])
     assert (recipe["epochs_trained"], recipe["steps_trained"], recipe["rows_trained"]) == (1, 4, 4_096)
     assert (baseline["epochs_trained"], baseline["steps_trained"], baseline["rows_trained"]) == (2, 8, 8_192)
     # Validated as the recipe's trainer says: the demo's twice an epoch (2 of its 4 steps).
