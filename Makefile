@@ -63,7 +63,7 @@ run: setup sample
 # and cores hold. TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; cores = getattr(os, 'sched_getaffinity', None); print(min(len(cores(0)) if cores else os.cpu_count() or 1, 4))")
 test: setup lint
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The GPU checks alone (docs/gpu-checks.md). On a GPU machine set up with `make setup DEVICE=cuda`
 # (or DEVICE=cuda here, for a fresh clone). Without a usable GPU every check skips with its reason and

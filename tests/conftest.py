@@ -17,6 +17,25 @@ _LAUNCHER_VARIABLES = (
 )  # fmt: skip
 
 
+# The files that take longest (several multi-process runs or an AOTInductor compile each), longest first.
+# `make test` hands whole files to its workers in collection order (pytest-xdist's loadfile without its
+# reordering, which would sort files by test count and leave these few-test, long files for last); taking
+# them first keeps one long file from running alone at the end while the other workers idle.
+LONGEST_FILES_FIRST = (
+    "tests/cli/test_train.py", "tests/project/test_journeys.py", "tests/distributed/test_cluster.py",
+    "tests/checkpoint/test_checkpoint_runs.py", "tests/bench/test_bench.py", "tests/checkpoint/test_run_folder.py",
+    "tests/train/test_pipeline.py", "tests/checkpoint/test_preemption.py", "tests/quality/test_quality_bench.py",
+    "tests/serve/test_export_pt2.py", "tests/bench/test_quality_guard.py", "tests/model/test_model.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    """Runs LONGEST_FILES_FIRST's files first, in that order; the rest keep their order (a stable sort
+    keeps each file's tests together and in order)."""
+    rank = {name: at for at, name in enumerate(LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 @pytest.fixture(autouse=True)
 def _restore_launcher_variables():
     """A test that runs the app inside pytest leaves MASTER_PORT & co. set here while its rendezvous
