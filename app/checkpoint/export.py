@@ -52,6 +52,7 @@ from app.checkpoint.best import BEST, find_best_checkpoint
 from app.checkpoint.format import SafeFileSystemReader
 from app.checkpoint.format import read as read_checkpoint
 from app.checkpoint.vocabulary import exported_data_state
+from app.command import exit_on_bad_config_files
 
 EXPORT_FORMAT = "app.export/1"
 _MODEL_PREFIX = "state_dict."
@@ -208,6 +209,7 @@ def _copy_held_part(target: torch.Tensor, full: torch.Tensor, where: str) -> Non
 
 def main(args: list[str] | None = None) -> None:
     """``python -m app export --ckpt_path CKPT --output model.pt`` (``--help``, ``--config``)."""
+    exit_on_bad_config_files(sys.argv[1:] if args is None else args)  # a YAML error names its file, line, column
     try:
         CLI(export_checkpoint, args=args, as_positional=False, prog="python -m app export")
     except (ValueError, OSError) as error:  # a user's bad path: one line, as `python -m app` shows it

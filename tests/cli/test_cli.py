@@ -109,9 +109,10 @@ BAD_YAML = {  # a config's text, where the parser stopped (line:column), and a p
 
 
 @pytest.mark.parametrize("name", sorted(BAD_YAML))
-@pytest.mark.parametrize("command", ["fit", "validate", "predict", "bench", "preprocess"])
+@pytest.mark.parametrize("command", ["fit", "validate", "predict", "export", "bench", "preprocess"])
 def test_a_config_that_is_not_yaml_is_named_with_line_and_column_in_one_line(command, name, tmp_path, capsys):
     from app.bench.cli import main as bench_main
+    from app.checkpoint.export import main as export_main
     from app.data.preprocess.cli import main as preprocess_main
 
     config = tmp_path / name
@@ -119,7 +120,7 @@ def test_a_config_that_is_not_yaml_is_named_with_line_and_column_in_one_line(com
     if text is not None:
         config.write_text(text)
     args = ["--config", str(config)]
-    commands = {"bench": lambda: bench_main(args), "preprocess": lambda: preprocess_main(args)}
+    commands = {"bench": lambda: bench_main(args), "export": lambda: export_main(args), "preprocess": lambda: preprocess_main(args)}
     with pytest.raises(SystemExit) as exit_info:
         commands.get(command, lambda: cli_main([command, *args]))()
     assert exit_info.value.code == 2
