@@ -36,6 +36,18 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _no_process_group_left_to_the_next_file():
+    """A test that runs the app inside pytest leaves Lightning's default process group initialised (Lightning
+    does not destroy it at teardown); a later file of the same worker that makes its own would be refused
+    ("trying to initialize the default process group twice")."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _restore_launcher_variables():
     """A test that runs the app inside pytest leaves MASTER_PORT & co. set here while its rendezvous
