@@ -1,16 +1,18 @@
 """Checksums of a checkpoint's files, so that a damaged shard stops a load instead of being trained on.
 
-Sizes alone catch a truncated copy, not bit rot or a bad disk block: each rank records the CRC-32 of the
-shard files it wrote (``__<rank>_<n>.distcp``; rank 0 also DCP's ``.metadata`` index) in
-``checksums.<rank>.json`` beside them, before ``meta.json`` marks the folder complete. Every process that
-reads the checkpoint checks every recorded file before any weight is used (once per process, unless
-the files change).
-DCP has no checksum of its own; zlib's CRC-32 runs at about 2.6 GB/s on one core here, against
+Sizes alone catch a truncated copy, not bit rot or a bad disk block: the CRC-32 of every shard file
+(``__<rank>_<n>.distcp``) and of DCP's ``.metadata`` index is recorded in the checkpoint's ``meta.json``
+(``shard_checksums``), which rank 0 writes last. Every process that reads the checkpoint checks every
+recorded file before any weight is used (once per process, unless the files change).
+DCP has no checksum of its own; zlib's CRC-32 runs at about 2.2-2.6 GB/s on one core here, against
 BLAKE2b's 0.64, and a checksum that must catch accidents, not forgeries, needs no more.
 The checksums are computed as DCP writes (ChecksummingFileSystemWriter), not by reading every file back
 after the save, which cost 0.46 of the save time of 666 MB of tables: each large write is hashed on a
-second thread while DCP goes on writing and syncing the file to disk (the cost: docs/checkpoints.md).
-A folder written before checksums existed has no such file and is read unchecked.
+second thread while DCP goes on writing and syncing the file to disk. Each rank's checksums reach rank 0
+with the write results DCP gathers there anyway, so no rank writes or syncs a file of its own for them
+and no collective is added (the cost: docs/checkpoints.md).
+A folder written before checksums existed records none and is read unchecked; one written when each rank
+recorded its own (``checksums.<rank>.json``) is checked from those.
 """
 
 from __future__ import annotations
@@ -22,13 +24,18 @@ import zlib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
 
-CHECKSUM_FILE = "checksums.{rank}.json"
+CHECKSUM_FILE = "checksums.{rank}.json"  # each rank's own record, as written before meta.json held them
 _BLOCK_BYTES = 4 << 20
 _STREAM_BUFFER_BYTES = 1 << 20
 _verified: set[tuple] = set()  # (folder, its files' names, sizes and times) this process has checked
@@ -48,8 +55,9 @@ def file_crc32(path: Path) -> str:
 
 
 class ChecksummingFileSystemWriter(dcp.FileSystemWriter):
-    """DCP's FileSystemWriter that also computes the CRC-32 of every file it writes (``checksums()``);
-    the files hold the same bytes as DCP's own writer writes.
+    """DCP's FileSystemWriter that also computes the CRC-32 of every file it writes; after ``dcp.save``,
+    ``recorded`` holds those of every rank's files on the coordinator (rank 0), None on the other ranks.
+    The files hold the same bytes as DCP's own writer writes.
 
     Done by hand: DCP's only stream hook (the experimental ``_extensions`` of its writer) records each
     transform in the ``.metadata`` index and needs it registered again to read the checkpoint, which
@@ -58,20 +66,49 @@ class ChecksummingFileSystemWriter(dcp.FileSystemWriter):
     def __init__(self, path: str | os.PathLike) -> None:
         super().__init__(path)
         self.fs = _ChecksummingFileSystem()
+        self.recorded: dict[str, dict[str, Any]] | None = None
 
-    def checksums(self) -> dict[str, dict[str, Any]]:
-        """``{"crc32", "bytes"}`` of each file this writer finished writing, by name."""
-        self.fs.hashing_threads.shutdown()
-        return dict(self.fs.checksums)
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
+        """DCP's writes, whose results (gathered on the coordinator for ``finish``) also carry this rank's
+        checksums, as one extra entry that ``finish`` takes out before DCP's own ``finish`` sees them."""
+        results = super().write_data(plan, planner).wait()  # DCP's writer returns it completed
+        sums = {name: self._trusted(name, checksum) for name, checksum in self.fs.checksums.items()}
+        carried: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        carried.set_result([*results, _RankChecksums(sums)])
+        return carried
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        recorded: dict[str, dict[str, Any]] = {}
+        for rank_results in results:
+            for result in rank_results:
+                if isinstance(result, _RankChecksums):
+                    recorded.update(result.checksums)
+        dcp_results = [[r for r in rank_results if not isinstance(r, _RankChecksums)] for rank_results in results]
+        self.fs.checksums.clear()
+        super().finish(metadata, dcp_results)  # writes the index, hashed as the shards were
+        recorded.update((name, self._trusted(name, checksum)) for name, checksum in self.fs.checksums.items())
+        self.recorded = dict(sorted(recorded.items()))
+
+    def _trusted(self, name: str, checksum: dict[str, Any]) -> dict[str, Any]:
+        """``checksum`` of the file ``name``, or, where the stream was rewound while writing (DCP does not
+        do this), the file read back."""
+        if checksum["bytes"] >= 0:
+            return checksum
+        path = Path(self.path) / name
+        return {"crc32": file_crc32(path), "bytes": path.stat().st_size}
+
+
+@dataclass
+class _RankChecksums:
+    """One rank's files' checksums, riding with its WriteResults to the coordinator."""
+
+    checksums: dict[str, dict[str, Any]]
 
 
 class _ChecksummingFileSystem(FileSystem):
     def __init__(self) -> None:
         super().__init__()
         self.checksums: dict[str, dict[str, Any]] = {}  # one writing thread per file: no lock needed
-        # This writer's own thread, started on first use: a pool shared across saves would be inherited
-        # broken by a forked process (its threads gone, its queue waiting for them).
-        self.hashing_threads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-crc32")
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -83,9 +120,12 @@ class _ChecksummingFileSystem(FileSystem):
         # torch.save makes about a hundred small writes per tensor, gathered here into 1 MiB writes
         # without a Python call each (a hashing stream above the buffer cost 14 % of the save time of a
         # demo checkpoint). A larger write passes through but for its last MiB, copied into the buffer.
-        raw = _HashingFile(path, self.hashing_threads)
-        with io.BufferedWriter(raw, buffer_size=_STREAM_BUFFER_BYTES) as stream:
-            yield stream
+        # A hashing thread of the file's own, started at its first large write (a pool kept across saves
+        # would be inherited broken by a forked process: its threads gone, its queue waiting for them).
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-crc32") as hashing_thread:
+            raw = _HashingFile(path, hashing_thread)
+            with io.BufferedWriter(raw, buffer_size=_STREAM_BUFFER_BYTES) as stream:
+                yield stream
         self.checksums[Path(path).name] = raw.checksum()
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
@@ -157,38 +197,21 @@ class _HashingFile(io.RawIOBase):
         return {"crc32": f"{self._crc:08x}", "bytes": -1 if self._rewound else self._bytes}
 
 
-def write_rank_checksums(folder: Path, rank: int, written: dict[str, dict[str, Any]] | None = None) -> None:
-    """Records the checksums of the shard files ``rank`` wrote into ``folder`` (and, on rank 0, DCP's index):
-    those ``written`` computed while writing (a ChecksummingFileSystemWriter's), any other by reading it."""
-    names = sorted(path.name for path in folder.glob(f"__{rank}_*.distcp"))
-    if rank == 0 and (folder / ".metadata").is_file():
-        names.append(".metadata")
-    written = written or {}
-    sums = {}
-    for name in names:
-        size = (folder / name).stat().st_size
-        known = written.get(name)
-        if known is None or known["bytes"] != size:  # it reached the disk another way: read it back
-            known = {"crc32": file_crc32(folder / name), "bytes": size}
-        sums[name] = known
-    temporary = folder / (CHECKSUM_FILE.format(rank=rank) + ".tmp")
-    temporary.write_text(json.dumps(sums, indent=1) + "\n")
-    os.replace(temporary, folder / CHECKSUM_FILE.format(rank=rank))
-
-
-def verify_checksums(path: str | os.PathLike, folder: Path) -> None:
+def verify_checksums(path: str | os.PathLike, folder: Path, recorded: dict[str, dict[str, Any]] | None) -> None:
     """Raises DamagedCheckpointError naming the checkpoint and the file when a recorded file's bytes
-    differ from its checksum; a folder without checksum files (an older checkpoint) passes unchecked."""
+    differ from its checksum: those ``recorded`` in meta.json, or those of each rank's ``checksums.<rank>.json``
+    in a folder written that way; a folder that records none (an older checkpoint) passes unchecked."""
     state = (str(folder), *sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir() if p.is_file()))
     if state in _verified:  # the CLI's pre-launch read, then the strategy's load: checked once
         return
+    sums = dict(recorded or {})
     for record in sorted(folder.glob(CHECKSUM_FILE.format(rank="*"))):
         try:
-            sums = json.loads(record.read_text())
+            sums.update(json.loads(record.read_text()))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise DamagedCheckpointError(f"ckpt_path {path}: {record.name} is damaged (not the JSON it was written as)") from None
-        for name, expected in sorted(sums.items()):
-            _verify_file(path, folder / name, expected)
+    for name, expected in sorted(sums.items()):
+        _verify_file(path, folder / name, expected)
     _verified.add(state)
 
 

@@ -5,11 +5,11 @@ folder ``.NAME.<token>`` beside it, which holds:
 
     .metadata, __<rank>_0.distcp   every rank's shards of the model and optimizer state (DCP)
     writer.json                    who writes it (host, pid, SLURM job), written first, by rank 0
-    checksums.<rank>.json          the CRC-32 of each rank's shard files (app/checkpoint/checksums.py)
     vocabulary/                    data.frequency_threshold's vocabulary, when the run had one
                                    (app/checkpoint/vocabulary.py)
     meta.json                      plain data: loops, callbacks, hyper-parameters, the sharding
-                                   plan, world size, versions; written last, by rank 0, so that
+                                   plan, world size, versions, the CRC-32 of every shard file
+                                   (app/checkpoint/checksums.py); written last, by rank 0, so that
                                    its presence marks the folder complete
 
 Publishing a new checkpoint under an existing name writes a fresh folder and swaps the link with
@@ -45,13 +45,14 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torchrec.distributed.types import ShardingPlan
 
-from app.checkpoint.checksums import ChecksummingFileSystemWriter, verify_checksums, write_rank_checksums
+from app.checkpoint.checksums import ChecksummingFileSystemWriter, verify_checksums
 from app.checkpoint.plan_json import plan_from_json, plan_to_json
 from app.checkpoint.reshard import load_resharded
 from app.checkpoint.vocabulary import load_vocabulary, save_vocabulary, trained_threshold
 from app.data.lock_file import Holder, read_holder
 
 META_FILE = "meta.json"  # written last: a folder without it is incomplete
+CHECKSUMS_KEY = "shard_checksums"  # meta.json's record of each shard file's CRC-32 and size
 WRITER_FILE = "writer.json"  # written first: whose save an incomplete folder is
 DCP_INDEX_FILE = ".metadata"
 FORMAT_VERSION = 1
@@ -99,9 +100,15 @@ class CheckpointNotWritableError(ValueError):
 
 
 def save(
-    checkpoint: dict[str, Any], path: str | os.PathLike, collectives: Collectives, plan: ShardingPlan, world_size: int
+    checkpoint: dict[str, Any],
+    path: str | os.PathLike,
+    collectives: Collectives,
+    plan: ShardingPlan,
+    world_size: int,
+    checksums: bool = True,
 ) -> None:
-    """Writes Lightning's ``checkpoint`` dict to ``path`` from every rank and publishes it atomically."""
+    """Writes Lightning's ``checkpoint`` dict to ``path`` from every rank and publishes it atomically; with
+    ``checksums``, meta.json records the CRC-32 of every file DCP wrote (app/checkpoint/checksums.py)."""
     link = Path(collectives.broadcast(str(path)))
     token = collectives.broadcast(uuid.uuid4().hex[:12])
     folder = link.parent / f".{link.name}.{token}"
@@ -112,7 +119,9 @@ def save(
     # dcp.save gathers every rank's result: a failure on one rank raises on all, no rank hangs.
     # Its collectives go through the strategy's checkpoint group: ranks that finish writing first
     # wait there for the slowest (uneven shards), not under the NCCL watchdog's timeout.
-    writer = ChecksummingFileSystemWriter(folder)  # DCP's writer, hashing the bytes as it writes them
+    # The checksumming writer hashes the bytes as it writes them and hands each rank's checksums to rank 0
+    # inside the results DCP gathers there.
+    writer = ChecksummingFileSystemWriter(folder) if checksums else dcp.FileSystemWriter(folder)
     try:
         dcp.save(tensors, storage_writer=writer, process_group=collectives.checkpoint_process_group)
     except dcp.CheckpointException as error:  # every rank has it: DCP gathers each rank's result
@@ -120,14 +129,15 @@ def save(
         if not disk_errors:
             raise
         raise CheckpointNotWritableError(_not_writable(link, disk_errors[0])) from error
-    # DCP names a rank's files by its rank in the group it saved through.
-    group_rank = dist.get_rank(collectives.checkpoint_process_group) if dist.is_initialized() else 0
-    _on_every_rank(collectives, link, lambda: write_rank_checksums(folder, group_rank, writer.checksums()))
-    # Every rank's shards and their checksums are on disk: rank 0 completes the folder and publishes it.
+    # Every rank's shards are on disk (dcp.save returns after its gather): rank 0 completes the folder and
+    # publishes it.
     if collectives.is_global_zero:
         meta = {key: value for key, value in checkpoint.items() if key not in _TENSOR_KEYS}
         meta.update(tensor_keys=sorted(tensors), sharding_plan=plan_to_json(plan), world_size=world_size)
         meta.update(format_version=FORMAT_VERSION, versions=_library_versions())
+        if isinstance(writer, ChecksummingFileSystemWriter):
+            assert writer.recorded is not None, "rank 0 is DCP's coordinator: it receives every rank's checksums"
+            meta[CHECKSUMS_KEY] = writer.recorded
         _on_every_rank(collectives, link, lambda: _finish_folder(meta, folder, link))
     else:
         _on_every_rank(collectives, link, lambda: None)
@@ -320,7 +330,7 @@ def read(path: str | os.PathLike, module: nn.Module | None = None) -> Checkpoint
     meta = load_vocabulary(meta, folder, path)
     index = _read_dcp_index(path, folder)
     _check_shard_files(path, folder, index)
-    verify_checksums(path, folder)  # before any weight is used
+    verify_checksums(path, folder, meta.get(CHECKSUMS_KEY))  # before any weight is used
     if module is not None:
         check_fits_model(path, index, meta, module)
     return CheckpointInfo(

@@ -166,6 +166,9 @@ class TorchRecStrategy(ParallelStrategy):
         # (path, metadata) of the checkpoint being loaded: read once, for the plan and for the load.
         self._checkpoint_read: tuple[str, CheckpointInfo] | None = None
         self._run_lock: RunFolderLock | None = None  # held by global rank 0 while fitting
+        # Record each checkpoint's shard checksums (always, in a run; the checkpoint bench turns it off on
+        # alternate saves to measure what it costs: app/bench/checkpoint_save.py).
+        self.checkpoint_checksums = True
         # Whether the connected module declares a pipelined step (StepCallsModel), asked once in `connect`:
         # a runtime-checkable Protocol's isinstance walks its members (tens of microseconds a training step).
         self._module_may_call_model = False
@@ -500,7 +503,9 @@ class TorchRecStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("TorchRecStrategy.save_checkpoint does not take storage_options")
         assert self.sharding_plan is not None
-        checkpoint_format.save(checkpoint, filepath, self, self.sharding_plan, self.world_size)
+        checkpoint_format.save(
+            checkpoint, filepath, self, self.sharding_plan, self.world_size, checksums=self.checkpoint_checksums
+        )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         # weights_only needs no switch here: nothing in a checkpoint is ever unpickled as code.

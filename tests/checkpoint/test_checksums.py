@@ -3,6 +3,7 @@ before any weight is used, and ``--ckpt_path last`` falls back to the newest int
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from app.checkpoint.checksums import ChecksummingFileSystemWriter, DamagedCheckpointError, file_crc32
+from app.checkpoint.format import CHECKSUMS_KEY, META_FILE
 from app.checkpoint.format import read as read_checkpoint
 from app.checkpoint.run_folder import last_checkpoint
 from app.cli import cli_main
@@ -37,11 +39,14 @@ def _flip(shard: Path) -> None:
     shard.write_bytes(bytes(data))
 
 
-def test_every_rank_records_its_shards_and_an_intact_copy_reads(checkpoint_writer, tmp_path):
-    folder = _copy_checkpoints(checkpoint_writer, tmp_path)
-    recorded = sorted(path.name for path in (folder / "step=16.ckpt").glob("checksums.*.json"))
-    assert recorded == ["checksums.0.json", "checksums.1.json"]
-    read_checkpoint(folder / "step=16.ckpt")  # no error
+def test_every_ranks_shards_are_recorded_in_meta_json_and_an_intact_copy_reads(checkpoint_writer, tmp_path):
+    folder = _copy_checkpoints(checkpoint_writer, tmp_path) / "step=16.ckpt"
+    recorded = json.loads((folder / META_FILE).read_text())[CHECKSUMS_KEY]
+    assert sorted(recorded) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # both ranks' shards reach rank 0
+    for name, checksum in recorded.items():
+        assert checksum == {"crc32": file_crc32(folder / name), "bytes": (folder / name).stat().st_size}
+    assert not list(folder.glob("checksums.*.json"))  # no file of their own on any rank
+    read_checkpoint(folder)  # no error
 
 
 def test_a_flipped_shard_is_refused_naming_it_and_last_falls_back(checkpoint_writer, sample, tmp_path, capsys):
@@ -76,9 +81,15 @@ def test_a_flipped_shard_is_refused_naming_it_and_last_falls_back(checkpoint_wri
 def test_the_checksums_computed_during_the_save_are_those_of_the_files_written(state, tmp_path):
     writer = ChecksummingFileSystemWriter(tmp_path / "checkpoint")
     dcp.save(state, storage_writer=writer)
-    computed = writer.checksums()
+    computed = writer.recorded
     files = sorted(path.name for path in (tmp_path / "checkpoint").iterdir())
     assert sorted(computed) == files == [".metadata", "__0_0.distcp"]
     for name in files:
         path = tmp_path / "checkpoint" / name
         assert computed[name] == {"crc32": file_crc32(path), "bytes": path.stat().st_size}
+    # DCP's own writer writes the same shard bytes, and the same index of them.
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "plain"))
+    assert (tmp_path / "checkpoint" / "__0_0.distcp").read_bytes() == (tmp_path / "plain" / "__0_0.distcp").read_bytes()
+    indexes = [dcp.FileSystemReader(tmp_path / name).read_metadata() for name in ("checkpoint", "plain")]
+    assert indexes[0].storage_data == indexes[1].storage_data
+    assert indexes[0].state_dict_metadata == indexes[1].state_dict_metadata
