@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -32,6 +34,9 @@ import torch.distributed as dist
 from app.distributed.job_lifetime import JOB_ID_VARIABLE, port_holder
 
 _POLL_S = 0.2
+# The watchdog fires this long after the rendezvous timeout (a share of it, at least a second), so that torch's
+# own timeout, which raises a little late on a busy machine, is what ends a rank that gets no answer at all.
+_WATCHDOG_GRACE_SHARE, _WATCHDOG_GRACE_MIN_S = 0.05, 1.0
 _FIX = "raise trainer.strategy.init_args.rendezvous_timeout_s if nodes start far apart"
 _PORT_FIX = (
     "export MASTER_PORT=<a free port, 1024-32767> for every task of the job (under SLURM the app derives it "
@@ -115,29 +120,62 @@ def _connect(address: str, port: int, rank: int, world_size: int, timeout_s: flo
     # Under torchrun the agent of node 0 already hosts the store on MASTER_PORT (as torch's own
     # env:// rendezvous does, read from the variable torchrun sets); otherwise rank 0 hosts it.
     hosted_by_agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    hosting = rank == 0 and not hosted_by_agent
+    # A client whose connection is accepted by a program that never answers (not a TCPStore) waits in
+    # torch's handshake forever, whatever its timeout: the watchdog ends the process instead.
+    watchdog = None if hosting else _not_a_store_watchdog(address, port, rank, world_size, timeout_s)
     try:
         return dist.TCPStore(
             address,
             port,
             world_size,
-            is_master=rank == 0 and not hosted_by_agent,
+            is_master=hosting,
             timeout=timedelta(seconds=timeout_s),
             wait_for_workers=False,
             multi_tenant=True,
         )
     except RuntimeError as error:  # DistNetworkError / DistStoreError: unreachable, or the port is taken
-        if rank == 0 and not hosted_by_agent and "EADDRINUSE" in str(error):
+        if hosting and "EADDRINUSE" in str(error):
             raise RendezvousError(
                 f"rank 0 could not host the rendezvous at {address}:{port}: port {port} is already in use on this "
                 f"node by {port_holder(port)}; this job stops; {_PORT_FIX}"
             ) from None
-        if rank == 0 and not hosted_by_agent:
+        if hosting:
             raise RendezvousError(f"rank 0 could not host the rendezvous at {address}:{port}: {error}") from None
+        if "Ping failed" in str(error):  # a program answered, but not as a TCPStore does
+            raise RendezvousError(_not_a_store(address, port, rank, world_size, timeout_s)) from None
         raise RendezvousError(
             f"rank {rank} of {world_size} waited {timeout_s:g} s to reach the rendezvous at {address}:{port} and "
             "got no answer: is node 0 started? check MASTER_ADDR and MASTER_PORT (they must name node 0 on every "
             f"node); {_FIX}"
         ) from None
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+
+
+def _not_a_store(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> str:
+    return (
+        f"rank {rank} of {world_size}: {address}:{port} is not a rendezvous of this app (no TCPStore answered "
+        f"within {timeout_s:g} s; another program holds port {port} there): check MASTER_ADDR and MASTER_PORT "
+        "(they must name node 0's rendezvous, on every node), or free the port on that node"
+    )
+
+
+def _not_a_store_watchdog(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> threading.Timer:
+    """A started timer that, unless cancelled within ``timeout_s`` and a grace period (torch's own timeout
+    raises first where it applies), prints the line of ``_not_a_store`` and ends the process with status 2:
+    the blocked C++ call cannot be interrupted, and exit handlers would wait on it."""
+
+    def end_the_process() -> None:
+        print(f"error: {_not_a_store(address, port, rank, world_size, timeout_s)}", file=sys.stderr, flush=True)
+        os._exit(2)
+
+    grace_s = max(_WATCHDOG_GRACE_MIN_S, _WATCHDOG_GRACE_SHARE * timeout_s)
+    watchdog = threading.Timer(timeout_s + grace_s, end_the_process)
+    watchdog.daemon = True
+    watchdog.start()
+    return watchdog
 
 
 def job_name() -> str:

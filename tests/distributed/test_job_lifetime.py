@@ -200,3 +200,62 @@ def test_the_holder_of_a_port_is_named_with_its_pid_and_command():
         sock.listen()
         holder = port_holder(sock.getsockname()[1])
     assert holder.startswith(f"another program (pid {os.getpid()}: "), holder
+
+
+def _rank_1_joining(port: int, rendezvous_timeout_s: float, log: Path) -> subprocess.Popen:
+    """A rank 1 of 2 joining the rendezvous at ``port`` (as the strategy does), in a session of its own; a
+    RendezvousError printed as the CLI prints it."""
+    code = (
+        "import sys\n"
+        "from app.distributed.rendezvous import RendezvousError, join_process_group\n"
+        "try:\n"
+        f"    join_process_group('gloo', address='127.0.0.1', port={port}, rank=1, world_size=2, processes_per_node=1,"
+        f" rendezvous_timeout_s={rendezvous_timeout_s}, timeout_s=30)\n"
+        "except RendezvousError as error:\n"
+        "    print(f'error: {error}', file=sys.stderr)\n"
+        "    sys.exit(2)\n"
+    )
+    env = {**os.environ, "NODE_RANK": "1", "RANK": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def test_a_rank_whose_port_leads_to_another_program_ends_within_the_rendezvous_timeout(tmp_path):
+    # Two programs that are not a TCPStore: one that answers in its own protocol (torch's handshake fails and
+    # retries until the timeout), and one that accepts and never answers (torch's handshake waits forever: the
+    # app's watchdog ends the rank). Both ranks run at once.
+    http_port = _free_port()
+    http_log = tmp_path / "http.log"
+    http = subprocess.Popen(
+        [sys.executable, "-m", "http.server", str(http_port), "--bind", "127.0.0.1"], cwd=tmp_path,
+        stdout=http_log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    silent = socket.socket()
+    try:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # the kernel accepts the connections; nothing ever reads or answers
+        _wait_until(lambda: _listens(http_port) or http.poll() is not None, "http.server listening", http_log)
+        logs = {port: tmp_path / f"rank_{port}.log" for port in (http_port, silent.getsockname()[1])}
+        ranks = {port: _rank_1_joining(port, 1.0, log) for port, log in logs.items()}
+        try:
+            codes = {port: _end(rank, logs[port]) for port, rank in ranks.items()}
+            for port, rank in ranks.items():
+                _wait_for_the_group_to_end(rank, logs[port])  # no process of the rank left
+        finally:
+            for rank in ranks.values():
+                _kill_group(rank)
+    finally:
+        silent.close()
+        _kill_group(http)
+    for port, code in codes.items():
+        log = logs[port].read_text()
+        assert code == 2, log[-3000:]
+        (line,) = [line for line in log.splitlines() if line.startswith("error:")]
+        assert line == (
+            f"error: rank 1 of 2: 127.0.0.1:{port} is not a rendezvous of this app (no TCPStore answered within 1 s; "
+            f"another program holds port {port} there): check MASTER_ADDR and MASTER_PORT (they must name node 0's "
+            "rendezvous, on every node), or free the port on that node"
+        ), log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
