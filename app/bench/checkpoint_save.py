@@ -1,0 +1,172 @@
+"""What the shard checksums cost a checkpoint save (app/checkpoint/checksums.py), measured two ways:
+
+- ``fit``: the checkpoint saves of a real demo fit (configs/demo.yaml on the bundled sample's rows, 2 CPU
+  processes), each timed as a user waits for it: ModelCheckpoint's hook from start to end (the top-k save,
+  ``last.ckpt``, the meta file, the rename, the previous checkpoint removed), with the checksums on and off
+  at alternate saves (on, off, off, on, ...: a drift in the machine's speed weighs on both alike);
+- ``dcp``: ``torch.distributed.checkpoint.save`` alone in one process, DCP's own writer against the
+  checksumming one, alternating the same way, on the demo checkpoint's tensors (their names, shapes and
+  types, from the fit's checkpoint) and on the bench preset's 26 x 100,000 x 64 float32 tables.
+
+    python -m app.bench.checkpoint_save --work /tmp/checkpoint_save
+
+Prints one JSON line per measured case: the medians and ranges (min, max) of both arms in milliseconds,
+the median's difference and its share of the unchecked median. Writes only under ``--work``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from app.checkpoint.checksums import ChecksummingFileSystemWriter
+from app.checkpoint.format import read as read_checkpoint
+from app.data.synthetic import write_synthetic_criteo
+
+BENCH_TABLES = (26, 100_000, 64)  # configs/bench's tables: count, rows, dimension
+# The bundled sample's training and validation rows (data/make_sample.py): the demo's table sizes.
+SAMPLE_SPLITS = (("train.tsv", 200_000, 1), ("val.tsv", 20_000, 2))
+
+
+class SaveTimer(Callback):
+    """Times each ModelCheckpoint hook call that saved, on global rank 0, into ``output`` (JSON lines);
+    turns the strategy's checkpoint checksums on or off before each, on, off, off, on, ... (the same on every
+    rank: each counts the saves alike)."""
+
+    def __init__(self, output: str) -> None:
+        self.output = Path(output)
+        self.records: list[dict[str, Any]] = []
+        self._saved = 0  # trainer.save_checkpoint calls so far
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        save = trainer.save_checkpoint
+
+        def counted_save(*args: Any, **kwargs: Any) -> None:
+            save(*args, **kwargs)
+            self._saved += 1
+
+        trainer.save_checkpoint = counted_save  # type: ignore[method-assign]
+        for callback in trainer.checkpoint_callbacks:
+            for hook in ("on_train_batch_end", "on_validation_end", "on_train_epoch_end"):
+                setattr(callback, hook, self._timed(trainer, getattr(callback, hook)))
+
+    def _timed(self, trainer: Trainer, hook: Any) -> Any:
+        def timed_hook(*args: Any, **kwargs: Any) -> None:
+            checksums = len(self.records) % 4 in (0, 3)
+            trainer.strategy.checkpoint_checksums = checksums
+            saved, start = self._saved, time.perf_counter()
+            hook(*args, **kwargs)
+            seconds = time.perf_counter() - start
+            if self._saved > saved:
+                self.records.append({"checksums": checksums, "saves": self._saved - saved, "hook_s": seconds})
+
+        return timed_hook
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if trainer.is_global_zero:
+            self.output.write_text("".join(json.dumps(record) + "\n" for record in self.records))
+
+
+def summary(case: str, on_s: list[float], off_s: list[float]) -> dict[str, Any]:
+    """Medians and ranges of both arms, in ms, and the cost of the checksums as the medians' difference."""
+    on, off = statistics.median(on_s), statistics.median(off_s)
+    return {
+        "case": case, "repeats": [len(on_s), len(off_s)],
+        "checksums_ms": {"median": round(on * 1e3, 2), "range": [round(min(on_s) * 1e3, 2), round(max(on_s) * 1e3, 2)]},
+        "plain_ms": {"median": round(off * 1e3, 2), "range": [round(min(off_s) * 1e3, 2), round(max(off_s) * 1e3, 2)]},
+        "cost_ms": round((on - off) * 1e3, 2), "cost_share": round((on - off) / off, 4),
+    }  # fmt: skip
+
+
+def measure_fit(work: Path, every_n_steps: int) -> tuple[dict[str, Any], Path]:
+    """The demo fit's saves, checksums on and off (the first, which warms up, left out); its last.ckpt."""
+    data = work / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    for name, rows, seed in SAMPLE_SPLITS:
+        if not (data / name).is_file():
+            write_synthetic_criteo(data / name, num_rows=rows, seed=seed)
+    root, timings = work / "fit", work / "saves.jsonl"
+    shutil.rmtree(root, ignore_errors=True)
+    command = [
+        sys.executable, "-m", "app", "fit", "--config", "configs/demo.yaml",
+        "--data.train", str(data / "train.tsv"), "--data.val", str(data / "val.tsv"),
+        "--data.test", "null", "--data.predict", "null", "--data.cache_dir", str(work / "cache"),
+        "--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false",
+        "--trainer.callbacks", "app.bench.checkpoint_save.SaveTimer", "--trainer.callbacks.output", str(timings),
+        "--checkpoint.every_n_train_steps", str(every_n_steps), "--checkpoint.monitor", "step",
+        "--checkpoint.mode", "max", "--checkpoint.save_top_k", "1", "--checkpoint.filename", "{step}",
+    ]  # fmt: skip
+    subprocess.run(command, check=True, cwd=Path(__file__).resolve().parents[2])
+    records = [json.loads(line) for line in timings.read_text().splitlines()][1:]
+    on = [r["hook_s"] for r in records if r["checksums"]]
+    off = [r["hook_s"] for r in records if not r["checksums"]]
+    result = summary("demo fit, ModelCheckpoint hook (2 processes)", on, off)
+    result["saves_per_hook"] = sorted({r["saves"] for r in records})
+    return result, root / "checkpoints" / "last.ckpt"
+
+
+def measure_dcp(case: str, state: dict[str, torch.Tensor], folder: Path, repeats: int) -> dict[str, Any]:
+    """``dcp.save`` of ``state`` in this process, DCP's writer against the checksumming one, alternating."""
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for index in range(2 * repeats):
+        checksums = index % 4 in (0, 3)
+        target = folder / f"save{index}"
+        writer = ChecksummingFileSystemWriter(target) if checksums else dcp.FileSystemWriter(target)
+        start = time.perf_counter()
+        dcp.save(state, storage_writer=writer)
+        times[checksums].append(time.perf_counter() - start)
+        shutil.rmtree(target)
+    return summary(case, times[True], times[False]) | {"megabytes": round(_bytes(state) / 1e6, 1)}
+
+
+def demo_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Tensors of the names, shapes and types a demo checkpoint holds (every rank's shards as one)."""
+    generator = torch.Generator().manual_seed(0)
+    state = {}
+    for name, entry in read_checkpoint(checkpoint).index.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            dtype = entry.properties.dtype
+            state[name] = torch.randn(tuple(entry.size), generator=generator).to(dtype)
+    return state
+
+
+def bench_tables() -> dict[str, torch.Tensor]:
+    count, rows, dimension = BENCH_TABLES
+    generator = torch.Generator().manual_seed(0)
+    return {f"t_cat_{i}.weight": torch.randn(rows, dimension, generator=generator) for i in range(count)}
+
+
+def _bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(tensor.numel() * tensor.element_size() for tensor in state.values())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Runs the demo fit's measurement, then the DCP-alone ones; one JSON line each."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", type=Path, required=True, help="folder for the data, the fit and the saves")
+    parser.add_argument("--every_n_train_steps", type=int, default=5, help="the fit's save interval, in steps")
+    parser.add_argument("--repeats", type=int, default=40, help="DCP saves of the demo state per arm")
+    parser.add_argument("--bench_repeats", type=int, default=6, help="DCP saves of the bench tables per arm")
+    args = parser.parse_args(argv)
+    fit, checkpoint = measure_fit(args.work, args.every_n_train_steps)
+    print(json.dumps(fit), flush=True)
+    saves = args.work / "dcp"
+    saves.mkdir(exist_ok=True)
+    print(json.dumps(measure_dcp("demo state, dcp.save alone", demo_state(checkpoint), saves, args.repeats)), flush=True)
+    print(json.dumps(measure_dcp("26 x 100k x 64 tables, dcp.save alone", bench_tables(), saves, args.bench_repeats)))
+
+
+if __name__ == "__main__":
+    main()
