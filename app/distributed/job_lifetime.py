@@ -8,7 +8,10 @@ would run on with parent 1 and could join the next job started on the same port.
 launch; each child, first thing (``python -m app``) and again in the strategy, asks Linux to kill
 it when its parent ends (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, ``follow_launcher``) and stops at once
 if the parent is already gone. The job id names the job at the rendezvous (app/distributed/rendezvous.py),
-so that a rank is never counted in another job's run.
+so that a rank is never counted in another job's run. Over several nodes each node's launcher starts on
+its own, so the id is one they all derive alike, without talking to each other (``shared_job_id``):
+``APP_JOB_NAME`` where the user sets it, else a digest of what the nodes of one job share and two jobs
+on one port do not (the command line, MASTER_ADDR, MASTER_PORT, the number of nodes).
 
 ``port_holder`` says which process holds a port, read from /proc (no connection is made: a program
 that accepts a connection and never answers would hold the asker forever).
@@ -19,6 +22,8 @@ Standard library only: ``python -m app`` calls ``follow_launcher`` before it imp
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import json
 import os
 import signal
 import sys
@@ -29,6 +34,7 @@ from pathlib import Path
 
 LAUNCHER_PID_VARIABLE = "APP_LAUNCHER_PID"
 JOB_ID_VARIABLE = "APP_JOB_ID"
+JOB_NAME_VARIABLE = "APP_JOB_NAME"  # the user's name for a job of several nodes, the same on every node
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _APP_PACKAGE = __name__.split(".")[0]
 
@@ -36,19 +42,25 @@ _APP_PACKAGE = __name__.split(".")[0]
 @contextmanager
 def children_follow_this_process(num_nodes: int) -> Iterator[None]:
     """For the launch of this process's ranks (``app.distributed.launch.JobLauncher``): the children
-    started inside the block get this process's id, and on one node a fresh job id that this process
-    keeps too. Over several nodes each node's launcher would draw another id, so the job keeps no name
-    of its own there (and an id inherited from an earlier run, which would differ by node, is dropped)."""
-    if num_nodes == 1:
-        os.environ[JOB_ID_VARIABLE] = uuid.uuid4().hex[:12]
-    else:
-        os.environ.pop(JOB_ID_VARIABLE, None)
+    started inside the block get this process's id, and a job id that this process keeps too: on one node
+    a fresh one, over several nodes ``shared_job_id`` (each node's launcher draws its own otherwise)."""
+    os.environ[JOB_ID_VARIABLE] = uuid.uuid4().hex[:12] if num_nodes == 1 else shared_job_id(num_nodes)
     # Only the children get the launcher's pid: a process this one starts later is no rank of it.
     os.environ[LAUNCHER_PID_VARIABLE] = str(os.getpid())
     try:
         yield
     finally:
         del os.environ[LAUNCHER_PID_VARIABLE]
+
+
+def shared_job_id(num_nodes: int) -> str:
+    """The id of a job of ``num_nodes`` nodes that every node's launcher computes alike, and another job
+    given the same port does not: ``APP_JOB_NAME`` if set, else a digest of the command line (without the
+    program's own path, which may differ by node), MASTER_ADDR, MASTER_PORT and ``num_nodes``."""
+    if name := os.environ.get(JOB_NAME_VARIABLE, "").strip():
+        return name
+    shared = [sys.argv[1:], os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""), num_nodes]
+    return "cmd-" + hashlib.sha256(json.dumps(shared).encode()).hexdigest()[:12]
 
 
 def follow_launcher() -> None:

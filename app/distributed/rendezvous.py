@@ -15,8 +15,8 @@ collective, whose watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) ends the job af
 Two jobs given the same port on one node (SLURM's port rule, a copied ``MASTER_PORT``): the second
 job's rank 0 cannot host its store, and its other ranks would join the first job's rendezvous. Each
 job checks in under its own name (SLURM job, torchrun run, the job id Lightning's launcher hands its
-ranks on one node: app/distributed/job_lifetime.py), and a rank that finds another
-job's name at the store ends at once, with a line naming both and the port.
+ranks: drawn on one node, derived alike by every node over several, app/distributed/job_lifetime.py), and
+a rank that finds another job's name at the store ends at once, with a line naming both and the port.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from app.distributed.job_lifetime import JOB_ID_VARIABLE, port_holder
+from app.distributed.job_lifetime import JOB_ID_VARIABLE, JOB_NAME_VARIABLE, port_holder
 
 _POLL_S = 0.2
 # The watchdog fires this long after the rendezvous timeout (a share of it, at least a second), so that torch's
@@ -68,7 +68,7 @@ def join_process_group(
     where = f"{address}:{port}"
     store = _connect(address, port, rank, world_size, rendezvous_timeout_s)
     job = job_name()
-    _check_the_store_is_this_jobs(store, where, rank, job)
+    _check_the_store_is_this_jobs(store, where, rank, job, world_size > processes_per_node)
     _wait_for_everyone(store, where, rank, world_size, processes_per_node, rendezvous_timeout_s, job)
     store.set_timeout(timedelta(seconds=timeout_s))
     kwargs = {"device_id": device_id} if device_id is not None else {}
@@ -180,30 +180,36 @@ def _not_a_store_watchdog(address: str, port: int, rank: int, world_size: int, t
 
 def job_name() -> str:
     """What names this job to the ranks of another job that reach its rendezvous: SLURM's job id (not the
-    step's: nodes started by separate srun steps of one job are one run), torchrun's run id; empty under
-    Lightning's launcher over several nodes, which has no name shared by every node (on one node: the
-    job id its launcher generated)."""
+    step's: nodes started by separate srun steps of one job are one run), torchrun's run id; under Lightning's
+    launcher the job id it hands its ranks (app/distributed/job_lifetime.py: drawn on one node, derived alike
+    by every node over several)."""
     if "SLURM_JOB_ID" in os.environ:
         return f"SLURM job {os.environ['SLURM_JOB_ID']}"
     if "TORCHELASTIC_RUN_ID" in os.environ:
         return f"torchrun run {os.environ['TORCHELASTIC_RUN_ID']}"
-    if os.environ.get(JOB_ID_VARIABLE):  # one node under Lightning's launcher (app/distributed/job_lifetime.py)
+    if os.environ.get(JOB_ID_VARIABLE):
         return f"job {os.environ[JOB_ID_VARIABLE]}"
     return ""
 
 
-def _check_the_store_is_this_jobs(store: dist.Store, where: str, rank: int, job: str) -> None:
+def _check_the_store_is_this_jobs(store: dist.Store, where: str, rank: int, job: str, several_nodes: bool) -> None:
     """Rank 0 writes the job's name at the store; another rank raises when it finds another job's there
     (rank 0 may not have written it yet: ``_wait_for_everyone`` looks again while it waits)."""
     if rank == 0:
         store.set(_OWNER_KEY, job)
         return
     owner = store.get(_OWNER_KEY).decode() if store.check([_OWNER_KEY]) else job
-    if owner != job:
+    if owner == job:
+        return
+    found = f"rank {rank} of {job or 'this job'} found the rendezvous at {where} held by {owner or 'another job'}"
+    if several_nodes and "SLURM_JOB_ID" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
+        # Named alike by the launchers of every node (app/distributed/job_lifetime.py's shared_job_id).
         raise RendezvousError(
-            f"rank {rank} of {job or 'this job'} found the rendezvous at {where} held by {owner or 'another job'}: "
-            f"two jobs were given the same port on one node; {_PORT_FIX}"
+            f"{found}: two jobs were given the same MASTER_ADDR and MASTER_PORT; {_PORT_FIX}. If both are nodes of "
+            f"one job, export the same {JOB_NAME_VARIABLE}=<a name for the job> on every node (without it the name "
+            "is derived from the command line, MASTER_ADDR, MASTER_PORT and trainer.num_nodes, which must then match)"
         )
+    raise RendezvousError(f"{found}: two jobs were given the same port on one node; {_PORT_FIX}")
 
 
 def _wait_for_everyone(
@@ -221,7 +227,7 @@ def _wait_for_everyone(
             time.sleep(_POLL_S)
             joined = store.add("joined", 0)
             if rank != 0:
-                _check_the_store_is_this_jobs(owner_store, where, rank, job)
+                _check_the_store_is_this_jobs(owner_store, where, rank, job, world_size > processes_per_node)
         if joined >= world_size:
             return
         missing = [r for r in range(world_size) if not store.check([f"rank{r}"])]

@@ -26,11 +26,13 @@ import torch.distributed as dist
 
 from app.distributed.job_lifetime import (
     JOB_ID_VARIABLE,
+    JOB_NAME_VARIABLE,
     LAUNCHER_PID_VARIABLE,
     children_follow_this_process,
     port_holder,
+    shared_job_id,
 )
-from app.distributed.rendezvous import job_name
+from app.distributed.rendezvous import RendezvousError, join_process_group, job_name
 from tests.distributed.test_cluster import app_args
 
 DEADLINE_S = 60.0  # far above a start-up on a busy 2-core machine (~5-15 s)
@@ -177,9 +179,51 @@ def test_each_launch_draws_its_own_job_id_and_only_its_children_get_the_launcher
         assert LAUNCHER_PID_VARIABLE not in os.environ
         names.append(job_name())
     assert names[0] != names[1] and all(name.startswith("job ") for name in names), names
-    with children_follow_this_process(num_nodes=2):  # no id that every node's launcher would share
+
+
+def test_the_nodes_of_one_launch_derive_one_job_id_and_two_jobs_on_one_port_differ(monkeypatch):
+    """Over several nodes each node's launcher derives the id alone: alike for the same command line, address,
+    port and node count, different when any differs; APP_JOB_NAME, the user's name, wins."""
+    monkeypatch.delenv(JOB_NAME_VARIABLE, raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "node0.example")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    command = ["fit", "--config", "configs/demo.yaml", "--trainer.num_nodes", "2"]
+    monkeypatch.setattr(sys, "argv", ["/node0/checkout/app/__main__.py", *command])
+    node_0 = shared_job_id(num_nodes=2)
+    monkeypatch.setattr(sys, "argv", ["/node1/elsewhere/app/__main__.py", *command])  # the program's path aside
+    assert shared_job_id(num_nodes=2) == node_0 and node_0.startswith("cmd-")
+    assert shared_job_id(num_nodes=3) != node_0
+    monkeypatch.setattr(sys, "argv", ["app", *command, "--trainer.max_steps", "9"])
+    assert shared_job_id(num_nodes=2) != node_0
+    monkeypatch.setattr(sys, "argv", ["app", *command])
+    monkeypatch.setenv("MASTER_PORT", "29501")
+    assert shared_job_id(num_nodes=2) != node_0
+    monkeypatch.setenv(JOB_NAME_VARIABLE, "ctr-nightly")
+    assert shared_job_id(num_nodes=2) == "ctr-nightly"
+    monkeypatch.delenv(JOB_ID_VARIABLE, raising=False)  # restored after the test
+    with children_follow_this_process(num_nodes=2):
         pass
-    assert job_name() == "" and JOB_ID_VARIABLE not in os.environ
+    assert job_name() == "job ctr-nightly"
+
+
+def test_a_rank_of_a_job_of_several_nodes_is_refused_at_another_jobs_rendezvous(monkeypatch):
+    """Node 1's first rank (rank 2 of 2 nodes x 2) of one job at the rendezvous another job's rank 0 hosts
+    (a real store holding that job's name, as rank 0 writes it): one line naming the port and both jobs."""
+    for name in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store.set("app_rendezvous/job", "job cmd-aaaaaaaaaaaa")
+    monkeypatch.setenv(JOB_ID_VARIABLE, "cmd-bbbbbbbbbbbb")
+    with pytest.raises(RendezvousError) as refused:
+        join_process_group("gloo", address="127.0.0.1", port=store.port, rank=2, world_size=4, processes_per_node=2,
+                           rendezvous_timeout_s=60, timeout_s=60)  # fmt: skip
+    assert str(refused.value).startswith(
+        f"rank 2 of job cmd-bbbbbbbbbbbb found the rendezvous at 127.0.0.1:{store.port} held by job cmd-aaaaaaaaaaaa: "
+        "two jobs were given the same MASTER_ADDR and MASTER_PORT; export MASTER_PORT=<a free port"
+    ), refused.value
+    assert f"export the same {JOB_NAME_VARIABLE}=<a name for the job> on every node" in str(refused.value)
+    assert not store.check(["app_rendezvous/job cmd-aaaaaaaaaaaa/0/joined"])  # counted in no job
+    assert not dist.is_initialized()
 
 
 def test_a_rank_whose_launcher_is_gone_stops_with_one_line():
