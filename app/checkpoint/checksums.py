@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
-CHECKSUM_FILE = "checksums.{rank}.json"  # each rank's own record, as written before meta.json held them
+CHECKSUM_FILE = "checksums.{rank}.json"  # each rank's own record, in checkpoints of earlier versions of the app
 _BLOCK_BYTES = 4 << 20
 _STREAM_BUFFER_BYTES = 1 << 20
 _verified: set[tuple] = set()  # (folder, its files' names, sizes and times) this process has checked

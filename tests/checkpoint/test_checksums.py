@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from app.bench.checkpoint_save import demo_state, measure_dcp
 from app.checkpoint.checksums import ChecksummingFileSystemWriter, DamagedCheckpointError, file_crc32
 from app.checkpoint.format import CHECKSUMS_KEY, META_FILE
 from app.checkpoint.format import read as read_checkpoint
@@ -93,3 +94,15 @@ def test_the_checksums_computed_during_the_save_are_those_of_the_files_written(s
     indexes = [dcp.FileSystemReader(tmp_path / name).read_metadata() for name in ("checkpoint", "plain")]
     assert indexes[0].storage_data == indexes[1].storage_data
     assert indexes[0].state_dict_metadata == indexes[1].state_dict_metadata
+
+
+def test_the_save_bench_times_both_writers_alternately_on_a_checkpoints_tensors(checkpoint_writer, tmp_path):
+    checkpoint = checkpoint_writer["root"] / "checkpoints" / "step=16.ckpt"
+    state = demo_state(checkpoint)  # the checkpoint's tensors by name, shape and type, every rank's shards as one
+    index = read_checkpoint(checkpoint).index.state_dict_metadata
+    assert {name: list(tensor.shape) for name, tensor in state.items()} == {
+        name: list(entry.size) for name, entry in index.items() if hasattr(entry, "size")
+    }
+    result = measure_dcp("test", state, tmp_path, repeats=2)
+    assert result["repeats"] == [2, 2] and result["plain_ms"]["median"] > 0 and result["checksums_ms"]["median"] > 0
+    assert not list(tmp_path.iterdir())  # every save removed
