@@ -29,12 +29,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES
 
 from app.checkpoint.export import read_model_tensors
 from app.checkpoint.package_size import slim_package
 from app.checkpoint.saved_model import read_saved_model
-from app.checkpoint.serving_graph import DENSE_TRANSFORMS, MIN_QUANTIZED_ROWS, IdMapping, RowWiseInt8, ServingDLRM
+from app.checkpoint.serving_graph import (
+    DENSE_TRANSFORMS, DEQUANTIZATION_CODE_BYTES, IdMapping, RowWiseInt8, ServingDLRM, int8_saving_bytes,
+)  # fmt: skip
 from app.checkpoint.serving_runtime import CONTRACT_FORMAT, DENSE_INPUT, DENSE_VALUES_INPUT, SPARSE_INPUT, contract_path, file_crc32
 from app.criteo import NUM_DENSE, SPARSE_NAMES
 from app.data.parquet.statistics import STATISTICS_KEY as DENSE_STATISTICS_KEY
@@ -179,19 +182,44 @@ def _weight_key(table: str) -> str:
 
 
 def serving_tables(saved: SavedWeights, quantize: str, report=print) -> list[torch.Tensor | RowWiseInt8]:
-    """The tables in the model's order, row-wise INT8 where ``quantize`` asks and a table is large enough."""
+    """The tables in the model's order, row-wise INT8 where ``quantize`` asks and their width's tables together
+    save more bytes than the code that dequantises them (serving_graph.DEQUANTIZATION_CODE_BYTES)."""
     names, keys, _ = model_tables(saved)
     tables = [saved.state_dict[key] for key in keys]
-    small = []
-    if quantize == "int8":
-        small = [names[j] for j, weight in enumerate(tables) if weight.shape[0] < MIN_QUANTIZED_ROWS]
-        tables = [weight if weight.shape[0] < MIN_QUANTIZED_ROWS else RowWiseInt8.of(weight) for weight in tables]
-    if small:
-        report(
-            f"int8: {len(small)} table(s) under {MIN_QUANTIZED_ROWS} rows stay float32 (too small to quantise "
-            f"usefully): {', '.join(small)}"
-        )
-    return tables
+    if quantize != "int8":
+        return tables
+    kept_widths = set()
+    for width in sorted({int(weight.shape[1]) for weight in tables}):
+        members = [j for j, weight in enumerate(tables) if weight.shape[1] == width]
+        rows = sum(int(tables[j].shape[0]) for j in members)
+        if int8_saving_bytes(rows, width) <= DEQUANTIZATION_CODE_BYTES:
+            kept_widths.add(width)
+            report(
+                f"int8: {len(members)} table(s) of width {width} stay float32, too small to quantise usefully: their "
+                f"{rows:,} rows would save {int8_saving_bytes(rows, width):,} bytes, no more than the "
+                f"{DEQUANTIZATION_CODE_BYTES:,} bytes of compiled code that dequantises them: {', '.join(names[j] for j in members)}"
+            )
+    return [weight if weight.shape[1] in kept_widths else RowWiseInt8.of(weight) for weight in tables]
+
+
+def constant_bytes(module: ServingDLRM) -> dict[str, int]:
+    """The bytes of the package's constants by what they are (uncompressed, as the library holds them): the
+    tables as stored and as float32 would store them, the vocabulary, the dense layers and the rest."""
+    counted = {"tables": 0, "tables_float32": 0, "vocabulary": 0, "dense_layers": 0, "other": 0}
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        size = tensor.numel() * tensor.element_size()
+        part = name.split(".")[-1]
+        if name.startswith("tables.") and not part.startswith("offsets_"):
+            counted["tables"] += size
+            if part.startswith(("weight_", "codes_")):
+                counted["tables_float32"] += tensor.numel() * 4
+        elif name.startswith("id_mapping.vocabulary_"):
+            counted["vocabulary"] += size
+        elif isinstance(tensor, nn.Parameter):
+            counted["dense_layers"] += size
+        else:
+            counted["other"] += size
+    return counted
 
 
 def build_serving_module(saved: SavedWeights, quantize: str, source: Path, report=print) -> ServingDLRM:
@@ -271,6 +299,7 @@ def contract(saved: SavedWeights, module: ServingDLRM, quantize: str, device: to
         "data_format": saved.data_layout["format"],
         "id_mapping": id_mapping,
         "quantize": quantize,
+        "constant_bytes": constant_bytes(module),  # what the library's constants are (package_size.py reports them)
         "device": device.type,
         "versions": {"torch": torch.__version__, "torchrec": torchrec.__version__, "lightning": lightning.__version__},
         "model": {k: saved.hyper_parameters.get(k) for k in ("interaction", "embedding_dim", "first_order", "second_order")},
@@ -301,6 +330,19 @@ def export_pt2(source: Path, target: Path, quantize: str = "none", device: str |
     contract_file = contract_path(target)
     contract_file.write_text(json.dumps(contract(saved, module, quantize, run_on, crc), indent=1) + "\n")
     seconds = time.perf_counter() - started
-    print(f"exported {source} as {target} ({target.stat().st_size / 2**20:.1f} MiB, {run_on.type}, "
+    print(f"exported {source} as {target} ({target.stat().st_size:,} bytes, {run_on.type}, "
           f"{quantize}, compiled in {seconds:.0f} s) with its contract {contract_file}")  # fmt: skip
+    if quantize == "int8":
+        print(tables_line(constant_bytes(module)) + f"; the whole file against the float32 package's: {MEASURE_COMMAND}")
     return target
+
+
+# Measures the whole file's ratio, which needs the float32 package beside the INT8 one (docs/serving.md).
+MEASURE_COMMAND = "python -m app.checkpoint.package_size --float32 FLOAT32.pt2 --int8 INT8.pt2"
+
+
+def tables_line(counted: dict[str, int]) -> str:
+    """The INT8 tables' bytes against float32's, and what else the library's constants hold."""
+    return (f"int8: tables {counted['tables']:,} bytes, {counted['tables'] / counted['tables_float32']:.3f} of their "
+            f"{counted['tables_float32']:,} in float32; beside them, in both packages, the float32 dense layers "
+            f"({counted['dense_layers']:,} bytes), the vocabulary ({counted['vocabulary']:,}) and the compiled code")  # fmt: skip

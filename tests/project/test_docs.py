@@ -91,6 +91,10 @@ def _parses(module: str, args: list[str]) -> None:
         from app.bench.serve import bench_serve
 
         build_parser(bench_serve, module).parse_args(args)
+    elif module == "app.checkpoint.package_size":
+        from app.checkpoint.package_size import report_package_sizes
+
+        build_parser(report_package_sizes, module).parse_args(args)
     elif module == "app.bench.quality_guard":
         from app.bench.quality_guard import build_parser as quality_guard_parser
 

@@ -21,14 +21,17 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from app.bench.serve import main as bench_main
 from app.checkpoint import serving_runtime
 from app.checkpoint.export import main as export_main
-from app.checkpoint.export_pt2 import build_serving_module, check_lowerable, export_program, read_saved_weights
-from app.checkpoint.serving_graph import MIN_QUANTIZED_ROWS, RowWiseInt8
+from app.checkpoint.export_pt2 import (
+    SavedWeights, build_serving_module, check_lowerable, constant_bytes, export_program, read_saved_weights, serving_tables,
+)  # fmt: skip
+from app.checkpoint.package_size import report_package_sizes
+from app.checkpoint.serving_graph import DEQUANTIZATION_CODE_BYTES, RowWiseInt8, int8_saving_bytes
 from app.checkpoint.serving_runtime import ServingPackage, read_tsv_rows
-from app.model.dlrm import build_dlrm, build_dlrm_arguments
+from app.model.dlrm import build_dlrm, build_dlrm_arguments, table_name
 from tests.multiprocess import run_on_ranks
-from tests.serve.models import counted_vocabulary, predict_args, write_model_file, written_probabilities
+from tests.serve.models import EMBEDDING_DIM, counted_vocabulary, predict_args, write_model_file, written_probabilities
 
-# Two tables under MIN_QUANTIZED_ROWS (they stay float32 in an INT8 export), the others above it.
+# Two small tables (quantised with the others: a width's tables are stacked and dequantised together).
 HASHED_SIZES = [40, 60] + [300] * 24
 THRESHOLD = 2
 SCRIPT = Path(__file__).with_name("score_without_app.py")
@@ -99,7 +102,7 @@ def test_the_contract_beside_the_package_names_inputs_order_mapping_and_versions
     assert {r.compress_type for r in records} == {zipfile.ZIP_DEFLATED}
 
 
-def test_int8_tables_keep_the_auc_of_float32_and_small_tables_stay_float32(served, sample):
+def test_int8_tables_keep_the_auc_of_float32_in_d_plus_3_bytes_a_row(served, sample):
     _, _, labels = read_tsv_rows(sample["val"])
     scored = served["scores"]["program"]  # a trained model's float32 and INT8 graphs, scored without the app
     auc = {q: float(binary_auroc(scored[f"trained_{q}"], labels.long())) for q in ("none", "int8")}
@@ -107,8 +110,43 @@ def test_int8_tables_keep_the_auc_of_float32_and_small_tables_stay_float32(serve
     assert abs(auc["int8"] - auc["none"]) <= 0.001, auc
     messages: list[str] = []
     hashed = build_serving_module(read_saved_weights(served["hashed"]), "int8", served["hashed"], report=messages.append)
-    assert messages == [f"int8: 2 table(s) under {MIN_QUANTIZED_ROWS} rows stay float32 (too small to quantise usefully): C1, C2"]
-    assert hashed.tables.groups == [(False, [0, 1]), (True, list(range(2, 26)))]  # (INT8, its features)
+    assert messages == [] and hashed.tables.groups == [(True, list(range(26)))]  # (INT8, its features): all of them
+    counted = constant_bytes(hashed)
+    rows = sum(HASHED_SIZES)
+    # (D + 3) / 4 D of float32: 0.34 at this D of 8, 0.297 at the demo's 16 (at most 0.3 from D = 15).
+    assert counted["tables"] == rows * (EMBEDDING_DIM + 3) and counted["tables_float32"] == rows * EMBEDDING_DIM * 4
+
+
+def test_a_width_whose_tables_save_less_than_their_dequantisation_code_stays_float32():
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(40, 8), (60, 8), (300, 16), (5000, 1)]  # C1..C4
+    state = {f"model.sparse_arch.embedding_bag_collection.embedding_bags.{table_name(feature)}.weight": torch.randn(*shape, generator=generator)
+             for feature, shape in zip(DEFAULT_CAT_NAMES, shapes)}  # fmt: skip
+    saved = SavedWeights(hyper_parameters={}, state_dict=state, vocabulary_ids=None, frequency_threshold=0, data_layout={}, dense_statistics={})
+    messages: list[str] = []
+    tables = serving_tables(saved, "int8", report=messages.append)
+    assert [isinstance(t, RowWiseInt8) for t in tables] == [False, False, True, False]
+    assert int8_saving_bytes(100, 8) == 100 * 21 < DEQUANTIZATION_CODE_BYTES < int8_saving_bytes(300, 16)
+    assert messages == [
+        "int8: 1 table(s) of width 1 stay float32, too small to quantise usefully: their 5,000 rows would save 0 bytes, "
+        f"no more than the {DEQUANTIZATION_CODE_BYTES:,} bytes of compiled code that dequantises them: C4",
+        "int8: 2 table(s) of width 8 stay float32, too small to quantise usefully: their 100 rows would save 2,100 bytes, "
+        f"no more than the {DEQUANTIZATION_CODE_BYTES:,} bytes of compiled code that dequantises them: C1, C2",
+    ]
+
+
+def test_package_size_splits_the_library_into_code_and_the_constants_its_contract_counts(served, capsys):
+    measured = report_package_sizes(str(served["package"]), str(served["package"]))
+    assert measured["ratios"] == {"file": 1.0, "tables": 1.0}
+    package = measured["packages"]["float32"]
+    counted = package["constants"]  # the contract's, by kind
+    assert counted["tables"] == counted["tables_float32"] == sum(HASHED_SIZES) * EMBEDDING_DIM * 4
+    (library,) = [r["bytes"] for name, r in package["records"].items() if name.endswith(".so")]
+    assert package["library"]["code"] + package["library"]["constants"] == library
+    # The library's constants are the contract's, each aligned to 64 bytes.
+    held = sum(v for k, v in counted.items() if k != "tables_float32")
+    assert held <= package["library"]["constants"] <= held + 64 * 64
+    assert "int8 / float32: file 1.0000, tables 1.0000" in capsys.readouterr().out
 
 
 def test_row_wise_int8_is_within_a_step_of_each_row_and_keeps_zero_exact():
