@@ -11,13 +11,16 @@
     python -m app.bench.checkpoint_save --work /tmp/checkpoint_save
 
 Prints one JSON line per measured case: the medians and ranges (min, max) of both arms in milliseconds,
-the median's difference and its share of the unchecked median. Writes only under ``--work``.
+the cost as the medians' difference and as the median difference of neighbouring saves (one of each arm),
+each also as a share of the unchecked median, and the machine's load average. Writes only under ``--work``
+(about 2 minutes on 2 cores; ``--skip_fit`` repeats the DCP-alone cases on the fit's checkpoint).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -79,19 +82,27 @@ class SaveTimer(Callback):
             self.output.write_text("".join(json.dumps(record) + "\n" for record in self.records))
 
 
-def summary(case: str, on_s: list[float], off_s: list[float]) -> dict[str, Any]:
-    """Medians and ranges of both arms, in ms, and the cost of the checksums as the medians' difference."""
+def summary(case: str, timed: list[tuple[bool, float]]) -> dict[str, Any]:
+    """Medians and ranges of both arms, in ms, of saves ``timed`` in order as (checksums, seconds); the cost of
+    the checksums as the medians' difference and as the median of the differences between neighbours (the
+    saves 2i and 2i + 1, one with and one without: a drift of the machine's speed cancels there)."""
+    on_s = [seconds for checksums, seconds in timed if checksums]
+    off_s = [seconds for checksums, seconds in timed if not checksums]
     on, off = statistics.median(on_s), statistics.median(off_s)
+    pairs = [(a, b) for a, b in zip(timed[::2], timed[1::2]) if a[0] != b[0]]
+    paired = statistics.median((a[1] - b[1]) * (1 if a[0] else -1) for a, b in pairs)
     return {
         "case": case, "repeats": [len(on_s), len(off_s)],
         "checksums_ms": {"median": round(on * 1e3, 2), "range": [round(min(on_s) * 1e3, 2), round(max(on_s) * 1e3, 2)]},
         "plain_ms": {"median": round(off * 1e3, 2), "range": [round(min(off_s) * 1e3, 2), round(max(off_s) * 1e3, 2)]},
         "cost_ms": round((on - off) * 1e3, 2), "cost_share": round((on - off) / off, 4),
+        "paired_cost_ms": round(paired * 1e3, 2), "paired_cost_share": round(paired / off, 4),
+        "load_average": [round(load, 2) for load in os.getloadavg()],
     }  # fmt: skip
 
 
 def measure_fit(work: Path, every_n_steps: int) -> tuple[dict[str, Any], Path]:
-    """The demo fit's saves, checksums on and off (the first, which warms up, left out); its last.ckpt."""
+    """The demo fit's saves, checksums on and off (the first two, which warm up, left out); its last.ckpt."""
     data = work / "data"
     data.mkdir(parents=True, exist_ok=True)
     for name, rows, seed in SAMPLE_SPLITS:
@@ -109,26 +120,27 @@ def measure_fit(work: Path, every_n_steps: int) -> tuple[dict[str, Any], Path]:
         "--checkpoint.mode", "max", "--checkpoint.save_top_k", "1", "--checkpoint.filename", "{step}",
     ]  # fmt: skip
     subprocess.run(command, check=True, cwd=Path(__file__).resolve().parents[2])
-    records = [json.loads(line) for line in timings.read_text().splitlines()][1:]
-    on = [r["hook_s"] for r in records if r["checksums"]]
-    off = [r["hook_s"] for r in records if not r["checksums"]]
-    result = summary("demo fit, ModelCheckpoint hook (2 processes)", on, off)
+    records = [json.loads(line) for line in timings.read_text().splitlines()]
+    # The first saves warm up; from the third on (off, on, on, off, ...) each pair (2i, 2i + 1) has both arms.
+    timed = [(r["checksums"], r["hook_s"]) for r in records[2:]]
+    result = summary("demo fit, ModelCheckpoint hook (2 processes)", timed)
     result["saves_per_hook"] = sorted({r["saves"] for r in records})
     return result, root / "checkpoints" / "last.ckpt"
 
 
 def measure_dcp(case: str, state: dict[str, torch.Tensor], folder: Path, repeats: int) -> dict[str, Any]:
     """``dcp.save`` of ``state`` in this process, DCP's writer against the checksumming one, alternating."""
-    times: dict[bool, list[float]] = {True: [], False: []}
+    timed = []
     for index in range(2 * repeats):
         checksums = index % 4 in (0, 3)
         target = folder / f"save{index}"
         writer = ChecksummingFileSystemWriter(target) if checksums else dcp.FileSystemWriter(target)
+        os.sync()  # no save starts while the disk still writes back another's pages
         start = time.perf_counter()
         dcp.save(state, storage_writer=writer)
-        times[checksums].append(time.perf_counter() - start)
+        timed.append((checksums, time.perf_counter() - start))
         shutil.rmtree(target)
-    return summary(case, times[True], times[False]) | {"megabytes": round(_bytes(state) / 1e6, 1)}
+    return summary(case, timed) | {"megabytes": round(_bytes(state) / 1e6, 1)}
 
 
 def demo_state(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -157,14 +169,20 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, required=True, help="folder for the data, the fit and the saves")
     parser.add_argument("--every_n_train_steps", type=int, default=5, help="the fit's save interval, in steps")
-    parser.add_argument("--repeats", type=int, default=40, help="DCP saves of the demo state per arm")
-    parser.add_argument("--bench_repeats", type=int, default=6, help="DCP saves of the bench tables per arm")
+    parser.add_argument("--repeats", type=int, default=100, help="DCP saves of the demo state per arm")
+    parser.add_argument("--bench_repeats", type=int, default=20, help="DCP saves of the bench tables per arm")
+    parser.add_argument(
+        "--skip_fit", action="store_true", help="only the DCP-alone cases (on the checkpoint of an earlier run's fit)"
+    )
     args = parser.parse_args(argv)
-    fit, checkpoint = measure_fit(args.work, args.every_n_train_steps)
-    print(json.dumps(fit), flush=True)
+    checkpoint = args.work / "fit" / "checkpoints" / "last.ckpt"
+    if not args.skip_fit:
+        fit, checkpoint = measure_fit(args.work, args.every_n_train_steps)
+        print(json.dumps(fit), flush=True)
     saves = args.work / "dcp"
     saves.mkdir(exist_ok=True)
-    print(json.dumps(measure_dcp("demo state, dcp.save alone", demo_state(checkpoint), saves, args.repeats)), flush=True)
+    demo = measure_dcp("demo state, dcp.save alone", demo_state(checkpoint), saves, args.repeats)
+    print(json.dumps(demo), flush=True)
     print(json.dumps(measure_dcp("26 x 100k x 64 tables, dcp.save alone", bench_tables(), saves, args.bench_repeats)))
 
 
