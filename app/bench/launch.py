@@ -7,6 +7,8 @@ fails ends the others (torch.multiprocessing terminates them) and its error reac
 
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import os
 import socket
@@ -62,6 +64,7 @@ def _worker(
         WORLD_SIZE=world_size, LOCAL_WORLD_SIZE=world_size,
     )  # fmt: skip
     silence_library_notices()  # as `python -m app` does, on both sides
+    atexit.register(gc.freeze)  # and, as it does (app/__main__.py), no last garbage collection over every object at exit
     # The bench's standard output is its JSON lines: what a rank prints (a variant's progress bar, which
     # Lightning draws on stdout) goes to standard error.
     sys.stdout.flush()

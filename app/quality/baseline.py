@@ -23,6 +23,8 @@ TorchRec's small uniform draws.
 
 from __future__ import annotations
 
+import atexit
+import gc
 from typing import Any, Literal
 
 import numpy as np
@@ -180,4 +182,5 @@ def baseline_cli(args: list[str] | None = None) -> Any:
 
 
 if __name__ == "__main__":
+    atexit.register(gc.freeze)  # as `python -m app` does (app/__main__.py): no last garbage collection at exit
     baseline_cli()
