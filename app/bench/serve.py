@@ -9,7 +9,8 @@ one process (its default plan; FBGEMM's CPU embedding kernels), then the sigmoid
 
 Each path scores batches of 1, 64 and 512 rows cut from the rows given (repeated if too few): ``calls`` timed
 calls per size after ``warmup`` untimed ones. Printed per size and path: p50 and p99 latency (ms) and rows/s
-(rows over the mean latency); then the app's time per row over each package's at every size.
+(rows over the mean latency); then the app's time per row over each package's at every size, and the packages'
+bytes (with INT8, its file's and its tables' bytes over float32's).
 
 Example::
 
@@ -161,16 +162,18 @@ def bench_serve(
         packages = {"pt2-fp32": Path(package) if package else export_pt2(source, Path(work) / "model.pt2")}
         if int8:
             packages["pt2-int8"] = Path(int8_package) if int8_package else export_pt2(source, Path(work) / "model-int8.pt2", "int8")
-        scorers: dict[str, Callable] = {name: ServingPackage(path).score for name, path in packages.items()}
+        loaded = {name: ServingPackage(path) for name, path in packages.items()}
+        scorers: dict[str, Callable] = {name: package.score for name, package in loaded.items()}
         sizes = {name: path.stat().st_size for name, path in packages.items()}
+        table_bytes = {name: package.contract.get("constant_bytes", {}).get("tables") for name, package in loaded.items()}
         scorers["app-predict"] = app_scorer(read_saved_weights(source))
         try:
             differences = agreement(scorers, dense, ids)
             records = measure(scorers, dense, ids, calls, warmup)
         finally:
             dist.destroy_process_group()  # the one-process group of the app's path
-    summary = {"records": records, "ratios": ratios(records), "package_bytes": sizes, "max_abs_difference": differences,
-               "torch": torch.__version__, "threads": torch.get_num_threads()}  # fmt: skip
+    summary = {"records": records, "ratios": ratios(records), "package_bytes": sizes, "table_bytes": table_bytes,
+               "max_abs_difference": differences, "torch": torch.__version__, "threads": torch.get_num_threads()}  # fmt: skip
     print_summary(summary)
     if output_json:
         Path(output_json).write_text(json.dumps(summary, indent=1))
@@ -187,6 +190,10 @@ def print_summary(summary: dict[str, Any]) -> None:
     differences = summary["max_abs_difference"]
     print("max |probability - app predict's| over the rows: " + ", ".join(f"{k} {v:.2e}" for k, v in differences.items()))
     print("package bytes: " + ", ".join(f"{k} {v}" for k, v in summary["package_bytes"].items()))
+    sizes, tables = summary["package_bytes"], summary["table_bytes"]
+    if "pt2-int8" in sizes:  # the whole file, and the tables alone (the rest is the same in both)
+        table_ratio = f", tables {tables['pt2-int8'] / tables['pt2-fp32']:.4f}" if tables["pt2-int8"] and tables["pt2-fp32"] else ""
+        print(f"int8 / float32 bytes: file {sizes['pt2-int8'] / sizes['pt2-fp32']:.4f}{table_ratio}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -48,8 +48,10 @@ QUANTIZE_CHOICES = ("none", "int8")
 # The batch dimension's range: 1 row (one request) up to what one call may score.
 MAX_BATCH_ROWS = 65_536
 # No line tables (-g1) in the compiled code: they are about 1.4 MB of every package (more than the demo's
-# tables) and serve only a debugger; AOT_INDUCTOR_DEBUG_SYMBOLS=1 still adds full symbols when wanted.
-COMPILE_SETTINGS = {"aot_inductor.enable_line_tables": False}
+# tables) and serve only a debugger; AOT_INDUCTOR_DEBUG_SYMBOLS=1 still adds full symbols when wanted. The
+# wrapper (AOTInductor's runtime and the call sequence; the kernels stay -O3) compiled for size: 48 KB less
+# library, 16 KB deflated, with the same probabilities and no 1-row latency change measurable on 2 cores.
+COMPILE_SETTINGS = {"aot_inductor.enable_line_tables": False, "aot_inductor.compile_wrapper_opt_level": "Os"}
 _TABLE_PREFIX = "model.sparse_arch.embedding_bag_collection.embedding_bags."
 
 
@@ -343,6 +345,7 @@ MEASURE_COMMAND = "python -m app.checkpoint.package_size --float32 FLOAT32.pt2 -
 
 def tables_line(counted: dict[str, int]) -> str:
     """The INT8 tables' bytes against float32's, and what else the library's constants hold."""
+    vocabulary = f", the vocabulary ({counted['vocabulary']:,})" if counted["vocabulary"] else ""
     return (f"int8: tables {counted['tables']:,} bytes, {counted['tables'] / counted['tables_float32']:.3f} of their "
             f"{counted['tables_float32']:,} in float32; beside them, in both packages, the float32 dense layers "
-            f"({counted['dense_layers']:,} bytes), the vocabulary ({counted['vocabulary']:,}) and the compiled code")  # fmt: skip
+            f"({counted['dense_layers']:,} bytes){vocabulary} and the compiled code")  # fmt: skip
