@@ -200,24 +200,23 @@ def test_multi_hot_days_give_their_bag_sizes_as_pooling_factors(tmp_path):
     assert dataset.batch_bytes() == sum(t.numel() * t.element_size() for t in tensors)  # what a batch holds
 
 
-def test_a_variants_table_constraints_reach_the_planner(tmp_path):
-    # The bench reads a variant's strategy settings as JSON: each table constraint must reach the
+def test_variants_settings_reach_their_runs_and_a_progress_bar_draws_on_standard_error_only(tmp_path, capfd):
+    # Two variants beside the app's run in one bench (each its own processes, as the bench always runs them).
+    # cw: the bench reads a variant's strategy settings as JSON, and each table constraint must reach the
     # strategy as the TableConstraint it takes (a plain dict failed inside the workers).
-    variant = '{"cw": {"strategy": {"table_constraints": {"t_cat_0": {"sharding_types": ["column_wise"]}}}}}'
-    lines = main([*TINY, "--run.sides", "[app]", "--run.output_dir", str(tmp_path), "--app_variants", variant])
-    plans = {line["run"]: line["plan"] for line in lines[:2]}
-    assert [row.split()[:2] for row in plans["app"].splitlines() if row.startswith("t_cat_0 ")] == [["t_cat_0", "table_wise"]]
-    assert [row.split()[:2] for row in plans["cw"].splitlines() if row.startswith("t_cat_0 ")] == [["t_cat_0", "column_wise"]]
-    assert lines[2]["variants_with_another_plan"] == ["cw"]
-
-
-def test_a_variant_with_a_progress_bar_draws_it_on_standard_error_and_standard_output_stays_json(tmp_path, capfd):
-    lines = main([*TINY, "--run.sides", "[app]", "--run.output_dir", str(tmp_path), "--app_variants", '{"bar": {"progress_bar_refresh_rate": 1}}'])
-    assert [line.get("run") for line in lines] == ["app", "bar", None]
+    # bar: a variant with a progress bar draws it on standard error; standard output stays JSON lines.
+    variants = {"cw": {"strategy": {"table_constraints": {"t_cat_0": {"sharding_types": ["column_wise"]}}}},
+                "bar": {"progress_bar_refresh_rate": 1}}  # fmt: skip
+    lines = main([*TINY, "--run.sides", "[app]", "--run.output_dir", str(tmp_path), "--app_variants", json.dumps(variants)])
+    assert [line.get("run") for line in lines] == ["app", "cw", "bar", None]
+    plans = {line["run"]: line["plan"] for line in lines[:3]}
+    t_cat_0 = {run: [row.split()[:2] for row in plan.splitlines() if row.startswith("t_cat_0 ")] for run, plan in plans.items()}
+    assert t_cat_0 == {"app": [["t_cat_0", "table_wise"]], "cw": [["t_cat_0", "column_wise"]], "bar": [["t_cat_0", "table_wise"]]}
+    assert lines[3]["variants_with_another_plan"] == ["cw"]
     captured = capfd.readouterr()
     # 6 steps (TINY: 2 warm-up, 4 measured), each redrawn (Lightning draws on stdout; a rank's stdout is the bench's stderr).
     assert [f"{step}/6" in captured.err for step in range(1, 7)] == [True] * 6, captured.err[-2000:]
-    assert [json.loads(line).get("run", "summary") for line in captured.out.splitlines()] == ["app", "bar", "summary"]
+    assert [json.loads(line).get("run", "summary") for line in captured.out.splitlines()] == ["app", "cw", "bar", "summary"]
 
 
 def test_same_plan_compares_the_default_app_run_with_the_plain_loop_and_names_variants_with_their_own():
