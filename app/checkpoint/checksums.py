@@ -7,10 +7,11 @@ recorded file before any weight is used (once per process, unless the files chan
 DCP has no checksum of its own; zlib's CRC-32 runs at about 2.2-2.6 GB/s on one core here, against
 BLAKE2b's 0.64, and a checksum that must catch accidents, not forgeries, needs no more.
 The checksums are computed as DCP writes (ChecksummingFileSystemWriter), not by reading every file back
-after the save, which cost 0.46 of the save time of 666 MB of tables: each large write is hashed on a
-second thread while DCP goes on writing and syncing the file to disk. Each rank's checksums reach rank 0
-with the write results DCP gathers there anyway, so no rank writes or syncs a file of its own for them
-and no collective is added (the cost: docs/checkpoints.md).
+after the save, which cost 0.46 of the save time of 666 MB of tables; and a large tensor's bytes are not
+hashed at all: torch.save, which DCP writes each tensor with, already writes their CRC-32 after them (zip's
+data descriptor), and the file's CRC-32 is combined from it (``crc32_combine``). Each rank's checksums reach
+rank 0 with the write results DCP gathers there anyway, so no rank writes or syncs a file of its own for
+them and no collective is added (the cost: docs/checkpoints.md).
 A folder written before checksums existed records none and is read unchecked; one written when each rank
 recorded its own (``checksums.<rank>.json``) is checked from those.
 """
@@ -20,9 +21,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import struct
 import zlib
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 CHECKSUM_FILE = "checksums.{rank}.json"  # each rank's own record, in checkpoints of earlier versions of the app
 _BLOCK_BYTES = 4 << 20
 _STREAM_BUFFER_BYTES = 1 << 20
+_RECORD_MIN_BYTES = 1 << 20  # a smaller tensor is hashed as written: folding its CRC in costs about as much
+_TAIL_BYTES = 1024  # holds a record's local header: 30 bytes, its name, torch's alignment padding
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # signature, version, flags, method, time, date, crc, sizes, name, extra
+_HAS_DATA_DESCRIPTOR = 1 << 3  # the record's CRC and sizes follow its bytes
+_DESCRIPTOR_SIGNATURE = 0x08074B50
+_DESCRIPTOR_BYTES = 24  # signature, CRC, and two sizes of 4 bytes (zip) or 8 (zip64)
 _verified: set[tuple] = set()  # (folder, its files' names, sizes and times) this process has checked
 
 
@@ -119,13 +126,10 @@ class _ChecksummingFileSystem(FileSystem):
         # A buffered stream, as Path.open gives DCP, over a raw file that hashes what reaches it: DCP's
         # torch.save makes about a hundred small writes per tensor, gathered here into 1 MiB writes
         # without a Python call each (a hashing stream above the buffer cost 14 % of the save time of a
-        # demo checkpoint). A larger write passes through but for its last MiB, copied into the buffer.
-        # A hashing thread of the file's own, started at its first large write (a pool kept across saves
-        # would be inherited broken by a forked process: its threads gone, its queue waiting for them).
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-crc32") as hashing_thread:
-            raw = _HashingFile(path, hashing_thread)
-            with io.BufferedWriter(raw, buffer_size=_STREAM_BUFFER_BYTES) as stream:
-                yield stream
+        # demo checkpoint). A larger write (a tensor's bytes) passes through whole.
+        raw = _HashingFile(path)
+        with io.BufferedWriter(raw, buffer_size=_STREAM_BUFFER_BYTES) as stream:
+            yield stream
         self.checksums[Path(path).name] = raw.checksum()
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
@@ -135,42 +139,61 @@ class _ChecksummingFileSystem(FileSystem):
 
 
 class _HashingFile(io.RawIOBase):
-    """A file opened for writing whose bytes are hashed, in order, on the hashing thread, read back from
-    the page cache right after each write: the thread keeps up while a core is free, and catches up
-    during DCP's fsync (the disk's time, not the processor's) when none is; the file is closed once it has
-    (hashing the caller's buffer instead would make every write wait for the hash)."""
+    """A file opened for writing that computes the CRC-32 of the bytes written, without hashing a large
+    tensor's bytes a second time: DCP writes each tensor with torch.save, a zip archive whose record of the
+    tensor's bytes is stored as is and followed by their CRC-32 (zip's data descriptor), which torch has
+    computed anyway. A record of 1 MiB or more is skipped here, its CRC taken from the descriptor once it is
+    written (checked against the record's length, else the record is read back and hashed) and combined
+    into the file's (``crc32_combine``). Everything else is hashed as it is written, in line. (Hashing the
+    large writes on a second thread instead, read back from the page cache, added 71 % to a 666 MB save on
+    a busy 2-core machine, where the thread found no free core; small writes handed to it cost more still:
+    the threads take turns at the interpreter's lock.)"""
 
-    def __init__(self, path: str | os.PathLike, hashing_threads: ThreadPoolExecutor) -> None:
+    def __init__(self, path: str | os.PathLike) -> None:
         super().__init__()
-        self._file = io.FileIO(path, "w+")  # readable too: the hashing thread reads back what was written
-        self._hashing_threads = hashing_threads  # one thread: the pieces are hashed in the order written
-        self._hashed: list[Future] = []
-        self._crc = 0
+        self._file = io.FileIO(path, "w+")  # readable too: a record whose CRC cannot be taken is read back
+        self._crc = 0  # of the bytes since the last skipped record's end (of the whole file outside one)
         self._bytes = 0  # the file is closed before its checksum is asked for: counted, not told
+        self._tail = b""  # the last bytes written: where a record's local header is
+        self._record: _SkippedRecord | None = None
+        self._after_record = b""  # the first bytes after a skipped record: its descriptor
         self._rewound = False  # after a seek the running CRC would describe other bytes than the file's
 
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")[:_BLOCK_BYTES]  # the buffered stream above writes the rest next
+        full = memoryview(data).cast("B")
+        view = full[:_BLOCK_BYTES]  # the buffered stream above writes the rest next
         written = self._file.write(view)
-        if written < _BLOCK_BYTES and (not self._hashed or self._hashed[-1].done()):
-            # Nothing queued (the one thread hashes in order): a small write is hashed here, which costs
-            # less than handing it to the thread: the two threads take turns at the interpreter's lock, and
-            # on a busy machine the thread waits for a core (a demo checkpoint's save took 30-70 % longer
-            # with every write of 16 KiB or more hashed there, 11 % with all of them hashed during DCP's fsync).
-            self._crc = zlib.crc32(view[:written], self._crc)
-        else:
-            self._hashed.append(self._hashing_threads.submit(self._hash_written, self._bytes, written))
+        piece, offset = view[:written], self._bytes
         self._bytes += written
+        if self._record is None and len(full) >= _RECORD_MIN_BYTES:
+            self._record = _SkippedRecord.starting_at(offset, len(full), self._tail, self._crc, self._bytes)
+            if self._record is not None:
+                self._crc = 0
+        if self._record is not None and offset < self._record.end:
+            piece = piece[self._record.end - offset :]  # the record's own bytes are not hashed
+        if self._record is not None and len(self._after_record) < _DESCRIPTOR_BYTES:
+            self._after_record += bytes(piece[: _DESCRIPTOR_BYTES - len(self._after_record)])
+        self._crc = zlib.crc32(piece, self._crc)
+        self._tail = (self._tail + bytes(view[:written][-_TAIL_BYTES:]))[-_TAIL_BYTES:]
+        if self._record is not None and len(self._after_record) >= _DESCRIPTOR_BYTES:
+            self._fold_the_record()
         return written
 
-    def _hash_written(self, offset: int, length: int) -> None:
-        piece = os.pread(self._file.fileno(), length, offset)
-        if len(piece) != length:
-            raise OSError(f"{self._file.name}: read back {len(piece)} of the {length} bytes written at {offset}")
-        self._crc = zlib.crc32(piece, self._crc)
+    def _fold_the_record(self) -> None:
+        """The file's CRC with the skipped record's: from its descriptor, or by reading it back."""
+        record, after = self._record, self._bytes - self._record.end
+        record_crc = record.crc_from_descriptor(self._after_record)
+        if record_crc is None:  # not the descriptor expected: hash the record's bytes from the file
+            record_crc = 0
+            for offset in range(record.start, record.end, _BLOCK_BYTES):
+                length = min(_BLOCK_BYTES, record.end - offset)
+                record_crc = zlib.crc32(os.pread(self._file.fileno(), length, offset), record_crc)
+        crc = crc32_combine(record.crc_before, record_crc, record.end - record.start)
+        self._crc = crc32_combine(crc, self._crc, after)
+        self._record, self._after_record = None, b""
 
     def tell(self) -> int:
         return self._file.tell()
@@ -189,14 +212,92 @@ class _HashingFile(io.RawIOBase):
         if not self.closed:
             super().close()  # flushes nothing of its own: the buffered stream above has written all
             try:
-                for hashed in self._hashed:
-                    hashed.result()
+                if self._record is not None:  # the file ended before a whole descriptor: read the record back
+                    self._after_record = b""
+                    self._fold_the_record()
             finally:
                 self._file.close()
 
     def checksum(self) -> dict[str, Any]:
         """``{"crc32", "bytes"}`` of what was written; bytes -1 if it cannot be trusted (a seek)."""
         return {"crc32": f"{self._crc:08x}", "bytes": -1 if self._rewound else self._bytes}
+
+
+@dataclass
+class _SkippedRecord:
+    """A zip record of a tensor's bytes, stored as is, that torch.save follows with their CRC-32."""
+
+    start: int
+    end: int
+    crc_before: int  # the file's CRC-32 up to ``start``
+
+    @classmethod
+    def starting_at(cls, offset: int, length: int, tail: bytes, crc: int, written: int) -> _SkippedRecord | None:
+        """The record whose bytes a write of ``length`` at ``offset`` begins, if ``tail`` (the bytes before
+        it) ends with a zip local header of a stored record with a data descriptor, and torch computes CRCs."""
+        at = tail.rfind(b"PK\x03\x04")
+        if at < 0 or len(tail) - at < _LOCAL_HEADER.size or not _torch_writes_crc32():
+            return None
+        _, _, flags, method, _, _, _, _, _, name_bytes, extra_bytes = _LOCAL_HEADER.unpack_from(tail, at)
+        ends_here = at + _LOCAL_HEADER.size + name_bytes + extra_bytes == len(tail)
+        if not ends_here or method != 0 or not flags & _HAS_DATA_DESCRIPTOR:
+            return None
+        return cls(start=offset, end=offset + length, crc_before=crc)
+
+    def crc_from_descriptor(self, descriptor: bytes) -> int | None:
+        """The record's CRC-32 from the bytes written after it, if they are its descriptor (zip or zip64)."""
+        length = self.end - self.start
+        signature, crc = struct.unpack_from("<II", descriptor)
+        if signature != _DESCRIPTOR_SIGNATURE:
+            return None
+        if struct.unpack_from("<II", descriptor, 8) == (length, length) or struct.unpack_from("<QQ", descriptor, 8) == (
+            length,
+            length,
+        ):
+            return crc
+        return None
+
+
+def _torch_writes_crc32() -> bool:
+    """Whether torch.save computes its records' CRC-32 (a setting of torch's; on unless turned off)."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # a torch without the setting always computes them
+        return True
+    return bool(getattr(config.save, "compute_crc32", True))
+
+
+# CRC-32 of a concatenation from the parts' CRCs (zlib's crc32_combine, which Python's zlib does not offer):
+# polynomials over GF(2), reflected, modulo the CRC-32 polynomial.
+_CRC32_POLYNOMIAL = 0xEDB88320
+
+
+def _multiply_modulo(a: int, b: int) -> int:
+    m, product = 1 << 31, 0
+    while m:
+        if a & m:
+            product ^= b
+            if not a & (m - 1):
+                break
+        m >>= 1
+        b = (b >> 1) ^ _CRC32_POLYNOMIAL if b & 1 else b >> 1
+    return product
+
+
+_X_TO_2_TO_THE = [1 << 30]  # x^(2^k) modulo the polynomial, k = 0..31
+for _ in range(31):
+    _X_TO_2_TO_THE.append(_multiply_modulo(_X_TO_2_TO_THE[-1], _X_TO_2_TO_THE[-1]))
+
+
+def crc32_combine(crc_first: int, crc_second: int, second_bytes: int) -> int:
+    """The CRC-32 of two byte strings one after the other, from their CRC-32s and the second's length."""
+    power, k, n = 1 << 31, 3, second_bytes  # x^(8n): appending n zero bytes
+    while n:
+        if n & 1:
+            power = _multiply_modulo(_X_TO_2_TO_THE[k & 31], power)
+        n >>= 1
+        k += 1
+    return _multiply_modulo(power, crc_first) ^ crc_second
 
 
 def verify_checksums(path: str | os.PathLike, folder: Path, recorded: dict[str, dict[str, Any]] | None) -> None:

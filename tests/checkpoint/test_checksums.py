@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.utils.serialization import config as serialization_config
 
 from app.bench.checkpoint_save import demo_state, measure_dcp
-from app.checkpoint.checksums import ChecksummingFileSystemWriter, DamagedCheckpointError, file_crc32
+from app.checkpoint.checksums import ChecksummingFileSystemWriter, DamagedCheckpointError, crc32_combine, file_crc32
 from app.checkpoint.format import CHECKSUMS_KEY, META_FILE
 from app.checkpoint.format import read as read_checkpoint
 from app.checkpoint.run_folder import last_checkpoint
@@ -71,15 +73,34 @@ def test_a_flipped_shard_is_refused_naming_it_and_last_falls_back(checkpoint_wri
         last_checkpoint(str(folder), fitting=False)
 
 
+@pytest.mark.parametrize("torch_computes_crc32", [True, False], ids=["torch_crc32", "torch_crc32_off"])
 @pytest.mark.parametrize(
     "state",
-    [  # a table written in pieces hashed on the second thread; small tensors gathered by the stream's buffer
-        {"table": torch.randn(10_000, 128, generator=torch.Generator().manual_seed(0)), "bias": torch.zeros(7)},
+    [  # tables whose CRC-32 torch.save writes after them (one over several 4 MiB writes, one of exactly 1 MiB), a
+        # pickled object; small tensors gathered by the stream's buffer
+        {"table": torch.randn(10_000, 128, generator=torch.Generator().manual_seed(0)), "bias": torch.zeros(7),
+         "exactly_1_mib": torch.ones(262_144), "object": {"ids": list(range(200_000))}},
         {f"layer_{i}": torch.full((10, 4), float(i)) for i in range(20)},
     ],
     ids=["large_tensors", "small_tensors"],
-)
-def test_the_checksums_computed_during_the_save_are_those_of_the_files_written(state, tmp_path):
+)  # fmt: skip
+def test_the_checksums_computed_during_the_save_are_those_of_the_files_written(state, torch_computes_crc32, tmp_path):
+    # With torch's own CRC-32 turned off the records' bytes are hashed as written instead.
+    saved = serialization_config.save.compute_crc32
+    serialization_config.save.compute_crc32 = torch_computes_crc32
+    try:
+        _check_the_checksums_of_a_save(state, tmp_path)
+    finally:
+        serialization_config.save.compute_crc32 = saved
+
+
+def test_the_crc32_of_two_parts_combines_to_that_of_the_whole():
+    first, second = bytes(range(256)) * 5, bytes(reversed(range(256))) * 4_099
+    for a, b in [(first, second), (b"", second), (first, b""), (b"x", b"y")]:
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def _check_the_checksums_of_a_save(state: dict, tmp_path: Path) -> None:
     writer = ChecksummingFileSystemWriter(tmp_path / "checkpoint")
     dcp.save(state, storage_writer=writer)
     computed = writer.recorded
