@@ -10,6 +10,8 @@
 
     python -m app.bench.checkpoint_save --work /tmp/checkpoint_save
 
+``--dcp_folder /dev/shm/checkpoint_save`` puts the DCP-alone saves on a tmpfs: the processor's cost alone.
+
 Prints one JSON line per measured case: the medians and ranges (min, max) of both arms in milliseconds,
 the cost as the medians' difference and as the median difference of neighbouring saves (one of each arm),
 each also as a share of the unchecked median, and the machine's load average. Writes only under ``--work``
@@ -172,6 +174,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=100, help="DCP saves of the demo state per arm")
     parser.add_argument("--bench_repeats", type=int, default=20, help="DCP saves of the bench tables per arm")
     parser.add_argument(
+        "--dcp_folder", type=Path, default=None, help="where the DCP-alone saves go (default: under --work); e.g. a "
+        "tmpfs (/dev/shm) to see the processor's cost without the disk's"
+    )
+    parser.add_argument(
         "--skip_fit", action="store_true", help="only the DCP-alone cases (on the checkpoint of an earlier run's fit)"
     )
     args = parser.parse_args(argv)
@@ -179,8 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_fit:
         fit, checkpoint = measure_fit(args.work, args.every_n_train_steps)
         print(json.dumps(fit), flush=True)
-    saves = args.work / "dcp"
-    saves.mkdir(exist_ok=True)
+    saves = args.dcp_folder or args.work / "dcp"
+    saves.mkdir(parents=True, exist_ok=True)
     demo = measure_dcp("demo state, dcp.save alone", demo_state(checkpoint), saves, args.repeats)
     print(json.dumps(demo), flush=True)
     print(json.dumps(measure_dcp("26 x 100k x 64 tables, dcp.save alone", bench_tables(), saves, args.bench_repeats)))
