@@ -173,9 +173,8 @@ def run_ranks(world_size: int, args: list[str], folder: Path, inspect=None) -> l
 
 
 def one_process_runs(_: int, runs: list[list[str]], inspect, out: str) -> None:
-    """Several single-process ``python -m app`` runs, one after the other in one spawned process (what
-    tests/multiprocess.py's worker does for one run), each on a fresh process group: the process
-    starts (and imports torch) once."""
+    """Several single-process ``python -m app`` runs, one after the other in one process forked from the
+    fork server (what tests/multiprocess.py's worker does for one run), each on a fresh process group."""
     results = []
     for args in runs:
         with rendezvous_port() as port:  # a store of its own per run, hosted here
@@ -195,7 +194,7 @@ def one_process_runs(_: int, runs: list[list[str]], inspect, out: str) -> None:
 
 def run_one_after_another(runs: list[list[str]], folder: Path, inspect) -> list[dict]:
     out = run_folder(folder, "runs")
-    mp.start_processes(one_process_runs, args=(runs, inspect, str(out)), nprocs=1, start_method="spawn")
+    mp.start_processes(one_process_runs, args=(runs, inspect, str(out)), nprocs=1, start_method="forkserver")
     return pickle.loads((out / "runs.pkl").read_bytes())
 
 

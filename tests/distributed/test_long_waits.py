@@ -52,7 +52,7 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
 
 def test_plans_for_the_least_free_hbm_and_long_waits_have_their_own_timeout_yet_see_a_dead_rank(tmp_path):
     with rendezvous_port() as port:
-        context = mp.start_processes(_rank, args=(port, str(tmp_path)), nprocs=2, start_method="spawn", join=False)
+        context = mp.start_processes(_rank, args=(port, str(tmp_path)), nprocs=2, start_method="forkserver", join=False)
         # Fails fast if the wait after rank 1's death hangs (it must not wait for BARRIER_TIMEOUT_S).
         for _ in range(12):
             if context.join(timeout=10):

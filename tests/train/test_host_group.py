@@ -65,7 +65,7 @@ def ranks(request, tmp_path_factory) -> list[dict]:
     world_size = request.param
     out_dir = tmp_path_factory.mktemp("host_group")
     with rendezvous_port() as port:
-        mp.start_processes(_on_rank, args=(world_size, port, str(out_dir)), nprocs=world_size, start_method="spawn")
+        mp.start_processes(_on_rank, args=(world_size, port, str(out_dir)), nprocs=world_size, start_method="forkserver")
     return [pickle.loads((out_dir / f"rank{rank}.pkl").read_bytes()) for rank in range(world_size)]
 
 
