@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 from pathlib import Path
 
@@ -10,6 +12,10 @@ import pytest
 from app.data.synthetic import write_synthetic_criteo
 
 SHARED_CRITEO = Path(__file__).resolve().parents[2] / "shared" / "data" / "criteo"
+
+# As `python -m app` does (app/__main__.py): a test process's exit skips the last garbage collection over the
+# objects torch, Lightning and TorchRec made (~1.5 s of CPU per worker, at the end of the suite).
+atexit.register(gc.freeze)
 
 # What Lightning's cluster environments and the strategy export into the process that runs the app.
 _LAUNCHER_VARIABLES = (
