@@ -29,8 +29,10 @@ Inspect = Callable[[Any], dict[str, Any]]
 # a spawned rank spent about 4 s of CPU importing torch, Lightning and TorchRec before its first line,
 # a large share of `make test` on 2 cores. The server is a fresh single-threaded process that has
 # imported modules and done nothing else (no thread, no CUDA), so forking it is safe; each rank then
-# takes the test's environment (``cli_worker``), as a spawned one inherits it.
-mp.set_forkserver_preload(["app.cli"])
+# takes the test's environment (``cli_worker``), as a spawned one inherits it. torch.distributed.optim
+# too: every fit imports it, and its functional optimizers are TorchScript-compiled on
+# import (0.7-1.2 s of CPU per rank, the largest import left after app.cli's).
+mp.set_forkserver_preload(["app.cli", "torch.distributed.optim"])
 
 # configs/demo.yaml's training settings before its quality settings (docs/quality.md), for tests built on
 # the demo whose exact values, steps or validation counts were worked out with them: row-wise Adagrad at
