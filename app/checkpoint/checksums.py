@@ -40,7 +40,7 @@ CHECKSUM_FILE = "checksums.{rank}.json"  # each rank's own record, in checkpoint
 _BLOCK_BYTES = 4 << 20
 _STREAM_BUFFER_BYTES = 1 << 20
 _RECORD_MIN_BYTES = 1 << 20  # a smaller tensor is hashed as written: folding its CRC in costs about as much
-_TAIL_BYTES = 1024  # holds a record's local header: 30 bytes, its name, torch's alignment padding
+_TAIL_BYTES = 1024  # the bytes before a record read for its local header: 30, its name, torch's alignment padding
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # signature, version, flags, method, time, date, crc, sizes, name, extra
 _HAS_DATA_DESCRIPTOR = 1 << 3  # the record's CRC and sizes follow its bytes
 _DESCRIPTOR_SIGNATURE = 0x08074B50
@@ -154,7 +154,6 @@ class _HashingFile(io.RawIOBase):
         self._file = io.FileIO(path, "w+")  # readable too: a record whose CRC cannot be taken is read back
         self._crc = 0  # of the bytes since the last skipped record's end (of the whole file outside one)
         self._bytes = 0  # the file is closed before its checksum is asked for: counted, not told
-        self._tail = b""  # the last bytes written: where a record's local header is
         self._record: _SkippedRecord | None = None
         self._after_record = b""  # the first bytes after a skipped record: its descriptor
         self._rewound = False  # after a seek the running CRC would describe other bytes than the file's
@@ -163,13 +162,18 @@ class _HashingFile(io.RawIOBase):
         return True
 
     def write(self, data: Any) -> int:
-        full = memoryview(data).cast("B")
-        view = full[:_BLOCK_BYTES]  # the buffered stream above writes the rest next
-        written = self._file.write(view)
+        view = memoryview(data).cast("B")
+        if self._record is None and len(view) < _RECORD_MIN_BYTES:  # most writes: hashed as written
+            written = self._file.write(view[:_BLOCK_BYTES])
+            self._crc = zlib.crc32(view[:written], self._crc)
+            self._bytes += written
+            return written
+        written = self._file.write(view[:_BLOCK_BYTES])  # the buffered stream above writes the rest next
         piece, offset = view[:written], self._bytes
         self._bytes += written
-        if self._record is None and len(full) >= _RECORD_MIN_BYTES:
-            self._record = _SkippedRecord.starting_at(offset, len(full), self._tail, self._crc, self._bytes)
+        if self._record is None:  # a write of 1 MiB or more: a tensor's bytes in a zip record?
+            header = os.pread(self._file.fileno(), min(offset, _TAIL_BYTES), offset - min(offset, _TAIL_BYTES))
+            self._record = _SkippedRecord.starting_at(offset, len(view), header, self._crc)
             if self._record is not None:
                 self._crc = 0
         if self._record is not None and offset < self._record.end:
@@ -177,7 +181,6 @@ class _HashingFile(io.RawIOBase):
         if self._record is not None and len(self._after_record) < _DESCRIPTOR_BYTES:
             self._after_record += bytes(piece[: _DESCRIPTOR_BYTES - len(self._after_record)])
         self._crc = zlib.crc32(piece, self._crc)
-        self._tail = (self._tail + bytes(view[:written][-_TAIL_BYTES:]))[-_TAIL_BYTES:]
         if self._record is not None and len(self._after_record) >= _DESCRIPTOR_BYTES:
             self._fold_the_record()
         return written
@@ -232,7 +235,7 @@ class _SkippedRecord:
     crc_before: int  # the file's CRC-32 up to ``start``
 
     @classmethod
-    def starting_at(cls, offset: int, length: int, tail: bytes, crc: int, written: int) -> _SkippedRecord | None:
+    def starting_at(cls, offset: int, length: int, tail: bytes, crc: int) -> _SkippedRecord | None:
         """The record whose bytes a write of ``length`` at ``offset`` begins, if ``tail`` (the bytes before
         it) ends with a zip local header of a stored record with a data descriptor, and torch computes CRCs."""
         at = tail.rfind(b"PK\x03\x04")
