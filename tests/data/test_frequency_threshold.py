@@ -172,9 +172,12 @@ def run_ranks(world_size: int, args: list[str], folder: Path, inspect=None) -> l
     return [pickle.loads((out / f"rank{rank}.pkl").read_bytes()) for rank in range(world_size)]
 
 
-def one_process_runs(_: int, runs: list[list[str]], inspect, out: str) -> None:
+def one_process_runs(_: int, runs: list[list[str]], inspect, out: str, environment: dict[str, str]) -> None:
     """Several single-process ``python -m app`` runs, one after the other in one process forked from the
-    fork server (what tests/multiprocess.py's worker does for one run), each on a fresh process group."""
+    fork server (what tests/multiprocess.py's worker does for one run), each on a fresh process group;
+    ``environment``: the test's, as that worker takes it."""
+    os.environ.clear()
+    os.environ.update(environment)
     results = []
     for args in runs:
         with rendezvous_port() as port:  # a store of its own per run, hosted here
@@ -194,7 +197,7 @@ def one_process_runs(_: int, runs: list[list[str]], inspect, out: str) -> None:
 
 def run_one_after_another(runs: list[list[str]], folder: Path, inspect) -> list[dict]:
     out = run_folder(folder, "runs")
-    mp.start_processes(one_process_runs, args=(runs, inspect, str(out)), nprocs=1, start_method="forkserver")
+    mp.start_processes(one_process_runs, args=(runs, inspect, str(out), dict(os.environ)), nprocs=1, start_method="forkserver")
     return pickle.loads((out / "runs.pkl").read_bytes())
 
 
