@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import sys
 import threading
 import time
@@ -144,14 +145,18 @@ def _connect(address: str, port: int, rank: int, world_size: int, timeout_s: flo
             raise RendezvousError(f"rank 0 could not host the rendezvous at {address}:{port}: {error}") from None
         if "Ping failed" in str(error):  # a program answered, but not as a TCPStore does
             raise RendezvousError(_not_a_store(address, port, rank, world_size, timeout_s)) from None
-        raise RendezvousError(
-            f"rank {rank} of {world_size} waited {timeout_s:g} s to reach the rendezvous at {address}:{port} and "
-            "got no answer: is node 0 started? check MASTER_ADDR and MASTER_PORT (they must name node 0 on every "
-            f"node); {_FIX}"
-        ) from None
+        raise RendezvousError(_no_answer(address, port, rank, world_size, timeout_s)) from None
     finally:
         if watchdog is not None:
             watchdog.cancel()
+
+
+def _no_answer(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> str:
+    return (
+        f"rank {rank} of {world_size} waited {timeout_s:g} s to reach the rendezvous at {address}:{port} and "
+        "got no answer: is node 0 started? check MASTER_ADDR and MASTER_PORT (they must name node 0 on every "
+        f"node); {_FIX}"
+    )
 
 
 def _not_a_store(address: str, port: int, rank: int, world_size: int, timeout_s: float) -> str:
@@ -168,7 +173,11 @@ def _not_a_store_watchdog(address: str, port: int, rank: int, world_size: int, t
     the blocked C++ call cannot be interrupted, and exit handlers would wait on it."""
 
     def end_the_process() -> None:
-        print(f"error: {_not_a_store(address, port, rank, world_size, timeout_s)}", file=sys.stderr, flush=True)
+        # On a busy machine torch's own timeout (no listener at all) can raise after the watchdog: which case
+        # this is, a program that took the connection or nobody there, is asked of the port itself.
+        taken = accepts_connections(address, port)
+        line = (_not_a_store if taken else _no_answer)(address, port, rank, world_size, timeout_s)
+        print(f"error: {line}", file=sys.stderr, flush=True)
         os._exit(2)
 
     grace_s = max(_WATCHDOG_GRACE_MIN_S, _WATCHDOG_GRACE_SHARE * timeout_s)
@@ -176,6 +185,16 @@ def _not_a_store_watchdog(address: str, port: int, rank: int, world_size: int, t
     watchdog.daemon = True
     watchdog.start()
     return watchdog
+
+
+def accepts_connections(address: str, port: int, timeout_s: float = 2.0) -> bool:
+    """Whether a program at ``address:port`` takes a TCP connection (closed at once, nothing sent, so a
+    program that never answers cannot hold this check)."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 def job_name() -> str:

@@ -32,7 +32,7 @@ from app.distributed.job_lifetime import (
     port_holder,
     shared_job_id,
 )
-from app.distributed.rendezvous import RendezvousError, join_process_group, job_name
+from app.distributed.rendezvous import RendezvousError, accepts_connections, join_process_group, job_name
 from tests.distributed.test_cluster import app_args
 
 DEADLINE_S = 60.0  # far above a start-up on a busy 2-core machine (~5-15 s)
@@ -303,3 +303,14 @@ def test_a_rank_whose_port_leads_to_another_program_ends_within_the_rendezvous_t
             "rendezvous, on every node), or free the port on that node"
         ), log[-3000:]
         assert "Traceback" not in log, log[-3000:]
+
+
+def test_the_watchdog_tells_a_port_nobody_listens_on_from_one_another_program_holds():
+    # On a busy machine torch's timeout for a port with no listener can raise after the watchdog fires: the
+    # watchdog's line then depends on whether the port takes a connection (a program) or refuses it (nobody).
+    with socket.socket() as bound, socket.socket() as listening:
+        bound.bind(("127.0.0.1", 0))  # bound, not listening: refused, as for a node 0 not started yet
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()  # taken by the kernel, never answered: a program that is not a store
+        assert not accepts_connections("127.0.0.1", bound.getsockname()[1])
+        assert accepts_connections("127.0.0.1", listening.getsockname()[1])
