@@ -1,6 +1,6 @@
 """What the shard checksums cost a checkpoint save (app/checkpoint/checksums.py), measured two ways:
 
-- ``fit``: the checkpoint saves of a real demo fit (configs/demo.yaml on the bundled sample's rows, 2 CPU
+- ``fit``: the checkpoint saves of a real demo fit (configs/demo.yaml on the bundled sample, ``make sample``; 2 CPU
   processes), each timed as a user waits for it: ModelCheckpoint's hook from start to end (the top-k save,
   ``last.ckpt``, the meta file, the rename, the previous checkpoint removed), with the checksums on and off
   at alternate saves (on, off, off, on, ...: a drift in the machine's speed weighs on both alike);
@@ -15,12 +15,12 @@
 Prints one JSON line per measured case: the medians and ranges (min, max) of both arms in milliseconds,
 the cost as the medians' difference and as the median difference of neighbouring saves (one of each arm),
 each also as a share of the unchecked median, and the machine's load average. Writes only under ``--work``
-(about 2 minutes on 2 cores; ``--skip_fit`` repeats the DCP-alone cases on the fit's checkpoint).
+(about 2 minutes on 2 cores; ``--skip_fit true`` repeats the DCP-alone cases on the fit's checkpoint). ``--help``
+and ``--config`` as every command of the app.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -38,11 +38,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from app.checkpoint.checksums import ChecksummingFileSystemWriter
 from app.checkpoint.format import read as read_checkpoint
-from app.data.synthetic import write_synthetic_criteo
+from app.command import run_command
 
 BENCH_TABLES = (26, 100_000, 64)  # configs/bench's tables: count, rows, dimension
-# The bundled sample's training and validation rows (data/make_sample.py): the demo's table sizes.
-SAMPLE_SPLITS = (("train.tsv", 200_000, 1), ("val.tsv", 20_000, 2))
+REPOSITORY = Path(__file__).resolve().parents[2]
+DEMO_TRAIN_ROWS = REPOSITORY / "data" / "sample" / "train.tsv"  # configs/demo.yaml's data.train (make sample)
 
 
 class SaveTimer(Callback):
@@ -105,23 +105,19 @@ def summary(case: str, timed: list[tuple[bool, float]]) -> dict[str, Any]:
 
 def measure_fit(work: Path, every_n_steps: int) -> tuple[dict[str, Any], Path]:
     """The demo fit's saves, checksums on and off (the first two, which warm up, left out); its last.ckpt."""
-    data = work / "data"
-    data.mkdir(parents=True, exist_ok=True)
-    for name, rows, seed in SAMPLE_SPLITS:
-        if not (data / name).is_file():
-            write_synthetic_criteo(data / name, num_rows=rows, seed=seed)
+    if not DEMO_TRAIN_ROWS.is_file():
+        raise FileNotFoundError(f"{DEMO_TRAIN_ROWS} (the demo's data.train) is missing: run `make sample` first")
     root, timings = work / "fit", work / "saves.jsonl"
     shutil.rmtree(root, ignore_errors=True)
     command = [
         sys.executable, "-m", "app", "fit", "--config", "configs/demo.yaml",
-        "--data.train", str(data / "train.tsv"), "--data.val", str(data / "val.tsv"),
         "--data.test", "null", "--data.predict", "null", "--data.cache_dir", str(work / "cache"),
         "--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false",
         "--trainer.callbacks", "app.bench.checkpoint_save.SaveTimer", "--trainer.callbacks.output", str(timings),
         "--checkpoint.every_n_train_steps", str(every_n_steps), "--checkpoint.monitor", "step",
         "--checkpoint.mode", "max", "--checkpoint.save_top_k", "1", "--checkpoint.filename", "{step}",
     ]  # fmt: skip
-    subprocess.run(command, check=True, cwd=Path(__file__).resolve().parents[2])
+    subprocess.run(command, check=True, cwd=REPOSITORY)
     records = [json.loads(line) for line in timings.read_text().splitlines()]
     # The first saves warm up; from the third on (off, on, on, off, ...) each pair (2i, 2i + 1) has both arms.
     timed = [(r["checksums"], r["hook_s"]) for r in records[2:]]
@@ -166,30 +162,43 @@ def _bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(tensor.numel() * tensor.element_size() for tensor in state.values())
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Runs the demo fit's measurement, then the DCP-alone ones; one JSON line each."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", type=Path, required=True, help="folder for the data, the fit and the saves")
-    parser.add_argument("--every_n_train_steps", type=int, default=5, help="the fit's save interval, in steps")
-    parser.add_argument("--repeats", type=int, default=100, help="DCP saves of the demo state per arm")
-    parser.add_argument("--bench_repeats", type=int, default=20, help="DCP saves of the bench tables per arm")
-    parser.add_argument(
-        "--dcp_folder", type=Path, default=None, help="where the DCP-alone saves go (default: under --work); e.g. a "
-        "tmpfs (/dev/shm) to see the processor's cost without the disk's"
-    )
-    parser.add_argument(
-        "--skip_fit", action="store_true", help="only the DCP-alone cases (on the checkpoint of an earlier run's fit)"
-    )
-    args = parser.parse_args(argv)
-    checkpoint = args.work / "fit" / "checkpoints" / "last.ckpt"
-    if not args.skip_fit:
-        fit, checkpoint = measure_fit(args.work, args.every_n_train_steps)
+def measure_checkpoint_save(
+    work: Path,
+    every_n_train_steps: int = 5,
+    repeats: int = 100,
+    bench_repeats: int = 20,
+    dcp_folder: Path | None = None,
+    skip_fit: bool = False,
+) -> None:
+    """What the shard checksums cost a checkpoint save: a demo fit's saves, then ``dcp.save`` alone of the demo's
+    tensors and of 26 x 100k x 64 tables; one JSON line each.
+
+    Args:
+        work: folder for the fit and the saves (the only place written).
+        every_n_train_steps: the fit's save interval, in steps.
+        repeats: DCP saves of the demo state per arm.
+        bench_repeats: DCP saves of the bench tables per arm.
+        dcp_folder: where the DCP-alone saves go (default: under ``work``); e.g. a tmpfs (/dev/shm) to see the
+            processor's cost without the disk's.
+        skip_fit: only the DCP-alone cases, on the checkpoint of an earlier run's fit under ``work``.
+    """
+    work = Path(work)
+    checkpoint = work / "fit" / "checkpoints" / "last.ckpt"
+    if not skip_fit:
+        fit, checkpoint = measure_fit(work, every_n_train_steps)
         print(json.dumps(fit), flush=True)
-    saves = args.dcp_folder or args.work / "dcp"
+    saves = Path(dcp_folder) if dcp_folder else work / "dcp"
     saves.mkdir(parents=True, exist_ok=True)
-    demo = measure_dcp("demo state, dcp.save alone", demo_state(checkpoint), saves, args.repeats)
+    demo = measure_dcp("demo state, dcp.save alone", demo_state(checkpoint), saves, repeats)
     print(json.dumps(demo), flush=True)
-    print(json.dumps(measure_dcp("26 x 100k x 64 tables, dcp.save alone", bench_tables(), saves, args.bench_repeats)))
+    print(json.dumps(measure_dcp("26 x 100k x 64 tables, dcp.save alone", bench_tables(), saves, bench_repeats)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m app.bench.checkpoint_save --work DIR`` (``--help``)."""
+    status = run_command(measure_checkpoint_save, "python -m app.bench.checkpoint_save", argv)
+    if status:
+        raise SystemExit(status)
 
 
 if __name__ == "__main__":
