@@ -94,8 +94,9 @@ def package_bytes(package: Path) -> dict[str, object]:
     with zipfile.ZipFile(package) as archive:
         records = {r.filename.split("/")[-1]: {"stored": r.compress_size, "bytes": r.file_size} for r in archive.infolist()}
         libraries = [archive.read(r) for r in archive.infolist() if r.filename.endswith(".so")]
-    parts = {name: sum(len(library_parts(library)[name]) for library in libraries) for name in ("code", "constants")}
-    deflated = {name: sum(len(zlib.compress(library_parts(library)[name], 6)) for library in libraries) for name in parts}
+    split = [library_parts(library) for library in libraries]
+    parts = {name: sum(len(part[name]) for part in split) for name in ("code", "constants")}
+    deflated = {name: sum(len(zlib.compress(part[name], 6)) for part in split) for name in parts}
     contract = json.loads(contract_path(package).read_text()) if contract_path(package).is_file() else {}
     return {"file": package.stat().st_size, "records": records, "library": parts, "library_deflated": deflated,
             "constants": contract.get("constant_bytes", {})}  # fmt: skip

@@ -36,7 +36,8 @@ from app.distributed.job_lifetime import JOB_ID_VARIABLE, JOB_NAME_VARIABLE, por
 
 _POLL_S = 0.2
 # The watchdog fires this long after the rendezvous timeout (a share of it, at least a second), so that torch's
-# own timeout, which raises a little late on a busy machine, is what ends a rank that gets no answer at all.
+# own timeout, which raises a little late on a busy machine, usually ends a rank that gets no answer at all (its
+# retry after a random delay can still outlast the grace: the watchdog's line then asks the port which case it is).
 _WATCHDOG_GRACE_SHARE, _WATCHDOG_GRACE_MIN_S = 0.05, 1.0
 _FIX = "raise trainer.strategy.init_args.rendezvous_timeout_s if nodes start far apart"
 _PORT_FIX = (
