@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 SAMPLE := data/sample/train.tsv
 
-.PHONY: setup run test test-gpu gpu-report test-compat sample lint bench bench-data bench-quality clean help
+.PHONY: setup run test test-gpu gpu-report test-compat test-compat-oldest test-compat-cudaimage test-compat-newest sample lint bench bench-data bench-quality clean help
 
 help:
 	@echo "make run    - set up .venv and train the demo (2 CPU processes, sharded embeddings)"
@@ -142,7 +142,13 @@ COMPAT_TESTS := tests/distributed/test_sharding.py tests/checkpoint/test_resume.
 		print('$* stack ok: torch', torch.__version__, '| fbgemm-gpu-cpu', v('fbgemm-gpu-cpu'), '| torchrec', v('torchrec'))"
 	touch $@
 
-test-compat: .venv-compat-oldest/.installed .venv-compat-cudaimage/.installed .venv-compat-newest/.installed
-	.venv-compat-oldest/bin/python -m pytest -q $(COMPAT_TESTS)
-	.venv-compat-cudaimage/bin/python -m pytest -q $(COMPAT_TESTS)
-	.venv-compat-newest/bin/python -m pytest -q $(COMPAT_TESTS)
+# One stack at a time: install it, run its tests, then the next. With COMPAT_DROP_ENVS=1 (what .ci/run sets:
+# its clone is thrown away) each stack's environment is removed once its tests pass, so the disk holds one
+# CUDA build of torch (~6 GB) at a time instead of three.
+COMPAT_STACKS := oldest cudaimage newest
+COMPAT_DROP_ENVS ?= 0
+test-compat: $(addprefix test-compat-,$(COMPAT_STACKS))
+
+$(addprefix test-compat-,$(COMPAT_STACKS)): test-compat-%: .venv-compat-%/.installed
+	.venv-compat-$*/bin/python -m pytest -q $(COMPAT_TESTS)
+	@if [ "$(COMPAT_DROP_ENVS)" = 1 ]; then echo "removing .venv-compat-$* (COMPAT_DROP_ENVS=1)"; rm -rf .venv-compat-$*; fi
