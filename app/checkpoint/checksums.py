@@ -215,9 +215,8 @@ class _HashingFile(io.RawIOBase):
         if not self.closed:
             super().close()  # flushes nothing of its own: the buffered stream above has written all
             try:
-                if self._record is not None:  # the file ended before a whole descriptor: read the record back
-                    self._after_record = b""
-                    self._fold_the_record()
+                if self._record is not None:  # the file ended within 24 bytes of the record: a zip descriptor
+                    self._fold_the_record()  # of 16 bytes still gives its CRC, else the record is read back
             finally:
                 self._file.close()
 
@@ -249,16 +248,13 @@ class _SkippedRecord:
 
     def crc_from_descriptor(self, descriptor: bytes) -> int | None:
         """The record's CRC-32 from the bytes written after it, if they are its descriptor (zip or zip64)."""
-        length = self.end - self.start
-        signature, crc = struct.unpack_from("<II", descriptor)
-        if signature != _DESCRIPTOR_SIGNATURE:
+        if len(descriptor) < 16 or struct.unpack_from("<I", descriptor)[0] != _DESCRIPTOR_SIGNATURE:
             return None
-        if struct.unpack_from("<II", descriptor, 8) == (length, length) or struct.unpack_from("<QQ", descriptor, 8) == (
-            length,
-            length,
-        ):
-            return crc
-        return None
+        sizes = [struct.unpack_from("<II", descriptor, 8)]
+        if len(descriptor) >= _DESCRIPTOR_BYTES:
+            sizes.append(struct.unpack_from("<QQ", descriptor, 8))
+        length = self.end - self.start
+        return struct.unpack_from("<I", descriptor, 4)[0] if (length, length) in sizes else None
 
 
 def _torch_writes_crc32() -> bool:

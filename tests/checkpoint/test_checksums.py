@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import zlib
 from pathlib import Path
 
@@ -98,6 +99,29 @@ def test_the_crc32_of_two_parts_combines_to_that_of_the_whole():
     first, second = bytes(range(256)) * 5, bytes(reversed(range(256))) * 4_099
     for a, b in [(first, second), (b"", second), (first, b""), (b"x", b"y")]:
         assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+_RECORD_BYTES = 2 << 20  # one write of a tensor's bytes, large enough that its CRC is taken from what follows it
+
+
+@pytest.mark.parametrize(
+    "after_the_record",
+    [  # what the file holds after a stored zip record with a data descriptor, when it ends
+        struct.pack("<IIII", 0x08074B50, zlib.crc32(b"\x07" * _RECORD_BYTES), _RECORD_BYTES, _RECORD_BYTES),
+        b"PK\x07\x08tail",  # a cut descriptor: the record is read back
+        b"",
+    ],
+    ids=["zip_descriptor_then_end", "cut_descriptor", "nothing"],
+)
+def test_a_file_that_ends_within_a_records_descriptor_gets_the_crc32_of_its_bytes(after_the_record, tmp_path):
+    name = b"archive/data/0"
+    local_header = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 1 << 3, 0, 0, 0, 0, 0, 0, len(name), 0) + name
+    writer = ChecksummingFileSystemWriter(tmp_path)
+    with writer.fs.create_stream(tmp_path / "file", "wb") as stream:
+        for piece in (local_header, b"\x07" * _RECORD_BYTES, after_the_record):
+            stream.write(piece)
+    written = (tmp_path / "file").read_bytes()
+    assert writer.fs.checksums["file"] == {"crc32": f"{zlib.crc32(written):08x}", "bytes": len(written)}
 
 
 def _check_the_checksums_of_a_save(state: dict, tmp_path: Path) -> None:
