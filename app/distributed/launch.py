@@ -67,25 +67,30 @@ class JobLauncher(_SubprocessScriptLauncher):
         self._rank_ended.wait(timeout_s)
 
     def _name_ranks_a_signal_ends(self, ranks: dict[int, subprocess.Popen]) -> None:
-        """Prints one line for each rank a signal ends (SIGKILL, the OOM killer, a crash) the moment it ends:
+        """Prints one line for the rank a signal ends (SIGKILL, the OOM killer, a crash) the moment it ends:
         such a rank says nothing itself, and gloo tells the others only that a connection closed. A rank
-        that exits prints its own error. Waits on pidfds (Linux); elsewhere names nothing."""
+        that exits prints its own error. Only the first rank to fail is named: once one has, Lightning's
+        process observer SIGKILLs the other children (with 3 or more ranks on a node it can run before this
+        process ends), and those deaths follow from the first. Waits on pidfds (Linux); elsewhere names
+        nothing."""
         try:
             waiting = {os.pidfd_open(proc.pid): (rank, proc) for rank, proc in ranks.items()}
         except (AttributeError, OSError):  # no pidfds here, or a rank ended already
             return
+        a_rank_failed = False
         while waiting:
             for pidfd in select.select(list(waiting), [], [])[0]:
                 rank, proc = waiting.pop(pidfd)
                 os.close(pidfd)
                 code = proc.wait()
-                if code < 0 and not self._killing.is_set():
+                if code < 0 and not a_rank_failed and not self._killing.is_set():
                     print(
                         f"error: rank {rank} (pid {proc.pid} on {socket.gethostname()}) was killed by "
                         f"{_signal_name(-code)}; the other ranks' errors follow from it",
                         file=sys.stderr,
                         flush=True,
                     )
+                a_rank_failed = a_rank_failed or code != 0
                 self._rank_ended.set()
 
 

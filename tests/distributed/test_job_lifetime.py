@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -314,3 +315,45 @@ def test_the_watchdog_tells_a_port_nobody_listens_on_from_one_another_program_ho
         listening.listen()  # taken by the kernel, never answered: a program that is not a store
         assert not accepts_connections("127.0.0.1", bound.getsockname()[1])
         assert accepts_connections("127.0.0.1", listening.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    "first_end, named",
+    [
+        (signal.SIGKILL, "error: rank 1 (pid {pid} on {host}) was killed by SIGKILL; the other ranks' errors follow "
+                         "from it\n"),
+        ("exit 1", ""),  # a rank that exits prints its own error
+    ],
+)  # fmt: skip
+def test_only_the_first_rank_to_fail_is_named_not_those_lightnings_observer_kills_after_it(first_end, named, capfd):
+    """Three local ranks (real processes) under the launcher's watch: rank 1 fails first, then Lightning's own
+    child-process observer SIGKILLs the others, as it does with 3 or more ranks on a node; only rank 1 may be
+    named, and only when a signal ended it."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    from app.distributed.launch import JobLauncher
+
+    wait = "import sys, time; sys.stdin.read(); sys.exit(1)"  # ends with code 1 once its stdin closes
+    ranks = {rank: subprocess.Popen([sys.executable, "-c", wait], stdin=subprocess.PIPE) for rank in (1, 2, 3)}
+    standing_in_for_the_launcher = subprocess.Popen([sys.executable, "-c", wait], stdin=subprocess.PIPE)
+    launcher = JobLauncher(LightningEnvironment(), num_processes=4, num_nodes=1)
+    watch = threading.Thread(target=launcher._name_ranks_a_signal_ends, args=(ranks,), daemon=True)
+    try:
+        watch.start()
+        if first_end == "exit 1":
+            ranks[1].stdin.close()
+        else:
+            ranks[1].send_signal(first_end)
+        ranks[1].wait(DEADLINE_S)
+        launcher.wait_for_a_rank_to_end(DEADLINE_S)
+        observer = _ChildProcessObserver(standing_in_for_the_launcher.pid, child_processes=list(ranks.values()))
+        assert observer._run()  # saw rank 1's failure and SIGKILLed the others and the "launcher"
+        watch.join(DEADLINE_S)
+        assert not watch.is_alive()
+        assert [ranks[rank].returncode for rank in (2, 3)] == [-signal.SIGKILL] * 2
+        assert capfd.readouterr().err == named.format(pid=ranks[1].pid, host=socket.gethostname())
+    finally:
+        for process in (*ranks.values(), standing_in_for_the_launcher):
+            process.kill()
+            process.wait(DEADLINE_S)
