@@ -31,7 +31,9 @@ LONGEST_FILES_FIRST = (
     "tests/cli/test_train.py", "tests/project/test_journeys.py", "tests/distributed/test_cluster.py",
     "tests/checkpoint/test_checkpoint_runs.py", "tests/bench/test_bench.py", "tests/checkpoint/test_run_folder.py",
     "tests/train/test_pipeline.py", "tests/checkpoint/test_preemption.py", "tests/quality/test_quality_bench.py",
-    "tests/serve/test_export_pt2.py", "tests/bench/test_quality_guard.py", "tests/model/test_model.py",
+    "tests/serve/test_export_pt2.py", "tests/data/test_vocabulary_coverage.py", "tests/train/test_early_stopping.py",
+    "tests/bench/test_quality_guard.py", "tests/checkpoint/test_saved_model.py", "tests/checkpoint/test_resume.py",
+    "tests/checkpoint/test_run_lock.py", "tests/model/test_model.py", "tests/distributed/test_job_lifetime.py",
 )  # fmt: skip
 
 
