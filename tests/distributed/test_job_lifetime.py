@@ -334,7 +334,7 @@ def test_only_the_first_rank_to_fail_is_named_not_those_lightnings_observer_kill
 
     from app.distributed.launch import JobLauncher
 
-    wait = "import sys, time; sys.stdin.read(); sys.exit(1)"  # ends with code 1 once its stdin closes
+    wait = "import sys; sys.stdin.read(); sys.exit(1)"  # ends with code 1 once its stdin closes
     ranks = {rank: subprocess.Popen([sys.executable, "-c", wait], stdin=subprocess.PIPE) for rank in (1, 2, 3)}
     standing_in_for_the_launcher = subprocess.Popen([sys.executable, "-c", wait], stdin=subprocess.PIPE)
     launcher = JobLauncher(LightningEnvironment(), num_processes=4, num_nodes=1)
